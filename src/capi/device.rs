@@ -1,0 +1,1 @@
+//! C functions of the device allocator.

@@ -1,0 +1,1 @@
+//! C controls of the simulated device.

@@ -1,0 +1,1 @@
+//! The caching device allocator.

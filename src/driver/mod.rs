@@ -1,0 +1,111 @@
+//! The driver boundary: the only code that talks to a GPU driver lives below this module.
+//!
+//! The allocators are written against [`Driver`] and never know whether they run on a real
+//! GPU ([`cuda`], the NVIDIA driver API through cudarc), on the simulated device ([`sim`]), or
+//! inside a replayed trace.
+
+use std::sync::Arc;
+
+use crate::error::{Error, Result};
+
+pub mod cuda;
+pub mod sim;
+
+/// A stream handle as the C caller passes it (`cudaStream_t` / `CUstream` cast to an
+/// integer). 0 is the legacy default stream.
+pub type Stream = usize;
+
+/// An event handle created by a driver. Only meaningful to the driver that made it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Event(pub u64);
+
+/// Free and total memory of a device, in bytes, as the driver reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemInfo {
+    pub free: u64,
+    pub total: u64,
+}
+
+/// Everything the allocators need from a GPU driver.
+///
+/// Implementations are thread-safe. Calls that take a `device` index run in that device's
+/// context and leave the calling thread's current context as they found it.
+pub trait Driver: Send + Sync {
+    /// A short name for messages (`"cuda"`, `"sim"`).
+    fn name(&self) -> &'static str;
+
+    /// How many devices the driver can see.
+    fn device_count(&self) -> Result<usize>;
+
+    /// Allocates `size` bytes of device memory and returns its address. Running out of device
+    /// memory is reported as [`Error::OutOfMemory`], so the caller can free its cache and retry.
+    fn mem_alloc(&self, device: usize, size: usize) -> Result<usize>;
+
+    /// Frees memory returned by [`Driver::mem_alloc`].
+    fn mem_free(&self, device: usize, ptr: usize) -> Result<()>;
+
+    /// Free and total memory of `device`.
+    fn mem_info(&self, device: usize) -> Result<MemInfo>;
+
+    /// Creates an event without timing on `device`. Expensive on real drivers: callers pool them.
+    fn event_create(&self, device: usize) -> Result<Event>;
+
+    /// Destroys an event made by [`Driver::event_create`].
+    fn event_destroy(&self, device: usize, event: Event) -> Result<()>;
+
+    /// Records `event` on `stream` (which belongs to `device`).
+    fn event_record(&self, device: usize, event: Event, stream: Stream) -> Result<()>;
+
+    /// Whether all work captured by `event` has completed. Never blocks.
+    fn event_query(&self, device: usize, event: Event) -> Result<bool>;
+
+    /// Blocks until the work captured by `event` has completed.
+    fn event_synchronize(&self, device: usize, event: Event) -> Result<()>;
+
+    /// The device a stream belongs to (for the legacy stream 0: the calling thread's current
+    /// device, or 0).
+    fn stream_device(&self, stream: Stream) -> Result<usize>;
+
+    /// Allocates `size` bytes of page-locked host memory, portable across devices.
+    fn host_alloc(&self, size: usize) -> Result<usize>;
+
+    /// Frees memory returned by [`Driver::host_alloc`].
+    fn host_free(&self, ptr: usize) -> Result<()>;
+
+    /// Page-locks (registers) ordinary host memory `[ptr, ptr + size)`.
+    fn host_register(&self, ptr: usize, size: usize) -> Result<()>;
+
+    /// Undoes [`Driver::host_register`] for the range that starts at `ptr`.
+    fn host_unregister(&self, ptr: usize) -> Result<()>;
+}
+
+/// Which backend `TENSORALLOC_DRIVER` asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    Cuda,
+    Sim,
+}
+
+impl Backend {
+    /// Reads `TENSORALLOC_DRIVER` (`cuda`, the default, or `sim`).
+    pub fn from_env() -> Result<Backend> {
+        match std::env::var("TENSORALLOC_DRIVER") {
+            Err(_) => Ok(Backend::Cuda),
+            Ok(v) => match v.trim().to_ascii_lowercase().as_str() {
+                "" | "cuda" => Ok(Backend::Cuda),
+                "sim" => Ok(Backend::Sim),
+                other => Err(Error::Config(format!(
+                    "TENSORALLOC_DRIVER={other:?} is not a driver: use `cuda` (the NVIDIA driver) or `sim` (the simulated device)"
+                ))),
+            },
+        }
+    }
+}
+
+/// Builds the driver that the environment selects.
+pub fn from_env() -> Result<Arc<dyn Driver>> {
+    match Backend::from_env()? {
+        Backend::Sim => Ok(Arc::new(sim::SimDriver::from_env()?)),
+        Backend::Cuda => Ok(Arc::new(cuda::CudaDriver::load()?)),
+    }
+}

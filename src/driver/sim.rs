@@ -1,0 +1,492 @@
+//! The simulated device: per-device capacity, host-backed (or unbacked) device memory,
+//! streams that accept any handle, and events whose completion tests control by holding and
+//! releasing streams.
+//!
+//! Device memory is one `mmap(MAP_NORESERVE)` reservation per device, so a 16 GiB device costs
+//! nothing until its pages are touched, and tests can write to what they allocate. Freed
+//! ranges are handed back to the kernel with `madvise(MADV_DONTNEED)`.
+//!
+//! Events: recording an event on a stream that is not held completes it at once. Recording on
+//! a held stream leaves it pending until the stream is released, or until someone waits on
+//! it with [`Driver::event_synchronize`] (waiting finishes the work the event captured).
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use once_cell::sync::Lazy;
+use parking_lot::Mutex;
+
+use super::{Driver, Event, MemInfo, Stream};
+use crate::config::parse_size;
+use crate::error::{Error, Result};
+
+/// Default capacity of a simulated device.
+pub(crate) const DEFAULT_CAPACITY: u64 = 16 << 30;
+/// Device allocations are aligned like the CUDA driver's.
+const ALIGNMENT: u64 = 512;
+
+/// How a simulated device is built.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SimConfig {
+    /// Number of devices.
+    pub devices: usize,
+    /// Bytes each device can hand out.
+    pub capacity: u64,
+    /// Whether device memory is real host memory (true) or only addresses (false, for
+    /// replaying traces larger than this machine).
+    pub backed: bool,
+}
+
+impl Default for SimConfig {
+    fn default() -> Self {
+        SimConfig { devices: 1, capacity: DEFAULT_CAPACITY, backed: true }
+    }
+}
+
+impl SimConfig {
+    /// Reads `TENSORALLOC_SIM_MEMORY` (bytes or a size such as `512MiB`; default 16 GiB) and
+    /// `TENSORALLOC_SIM_DEVICES` (default 1).
+    pub fn from_env() -> Result<SimConfig> {
+        let mut config = SimConfig::default();
+        if let Ok(v) = std::env::var("TENSORALLOC_SIM_MEMORY") {
+            config.capacity = parse_size(&v).map_err(|e| {
+                Error::Config(format!("TENSORALLOC_SIM_MEMORY={v:?}: {}", e.message()))
+            })?;
+            if config.capacity == 0 {
+                return Err(Error::Config("TENSORALLOC_SIM_MEMORY must be more than 0 bytes".into()));
+            }
+        }
+        if let Ok(v) = std::env::var("TENSORALLOC_SIM_DEVICES") {
+            config.devices = v
+                .trim()
+                .parse::<usize>()
+                .ok()
+                .filter(|n| (1..=64).contains(n))
+                .ok_or_else(|| {
+                    Error::Config(format!("TENSORALLOC_SIM_DEVICES={v:?} is not a device count from 1 to 64"))
+                })?;
+        }
+        Ok(config)
+    }
+}
+
+/// Call counters of a simulated driver, for tests that prove caching.
+#[derive(Debug, Default)]
+pub struct SimCounters {
+    pub mem_alloc: AtomicU64,
+    pub mem_free: AtomicU64,
+    pub events_created: AtomicU64,
+    pub events_destroyed: AtomicU64,
+    pub event_records: AtomicU64,
+    pub event_syncs: AtomicU64,
+    pub host_alloc: AtomicU64,
+    pub host_free: AtomicU64,
+    pub host_register: AtomicU64,
+    pub host_unregister: AtomicU64,
+}
+
+/// One device's address range and its free list.
+struct SimDevice {
+    base: u64,
+    span: u64,
+    capacity: u64,
+    backed: bool,
+    state: Mutex<DeviceState>,
+}
+
+struct DeviceState {
+    used: u64,
+    /// Free ranges of the reservation: start -> length.
+    free: BTreeMap<u64, u64>,
+    /// Live allocations: start -> length.
+    live: HashMap<u64, u64>,
+}
+
+impl SimDevice {
+    fn new(index: usize, capacity: u64, backed: bool) -> Result<SimDevice> {
+        // Twice the capacity of address space, so fragmentation of the simulated address
+        // space never fails an allocation that the capacity allows.
+        let span = capacity
+            .checked_mul(2)
+            .and_then(|s| s.checked_next_multiple_of(2 << 20))
+            .ok_or_else(|| Error::Config(format!("simulated capacity {capacity} is too large")))?;
+        let base = if backed {
+            // SAFETY: an anonymous private mapping with no address hint has no preconditions;
+            // the result is checked against MAP_FAILED.
+            let p = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    span as usize,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                    -1,
+                    0,
+                )
+            };
+            if p == libc::MAP_FAILED {
+                return Err(Error::Driver(format!(
+                    "simulated device {index}: cannot reserve {span} bytes of address space: {}",
+                    std::io::Error::last_os_error()
+                )));
+            }
+            p as u64
+        } else {
+            // Unbacked devices hand out addresses that are never dereferenced.
+            (0x1000_0000_0000u64 + (index as u64) * span).next_multiple_of(2 << 20)
+        };
+        let mut free = BTreeMap::new();
+        free.insert(base, span);
+        Ok(SimDevice {
+            base,
+            span,
+            capacity,
+            backed,
+            state: Mutex::new(DeviceState { used: 0, free, live: HashMap::new() }),
+        })
+    }
+
+    fn alloc(&self, size: usize) -> Result<usize> {
+        let size = (size as u64).max(1).next_multiple_of(ALIGNMENT);
+        let mut st = self.state.lock();
+        if st.used + size > self.capacity {
+            return Err(Error::OutOfMemory(format!(
+                "simulated device has {} bytes free of {}, {size} requested",
+                self.capacity - st.used,
+                self.capacity
+            )));
+        }
+        let found = st.free.iter().find(|(_, &len)| len >= size).map(|(&a, &l)| (a, l));
+        let Some((start, len)) = found else {
+            return Err(Error::OutOfMemory("simulated device address space is fragmented".into()));
+        };
+        st.free.remove(&start);
+        if len > size {
+            st.free.insert(start + size, len - size);
+        }
+        st.live.insert(start, size);
+        st.used += size;
+        Ok(start as usize)
+    }
+
+    fn free(&self, ptr: usize) -> Result<()> {
+        let ptr = ptr as u64;
+        let mut st = self.state.lock();
+        let Some(size) = st.live.remove(&ptr) else {
+            return Err(Error::Driver(format!(
+                "CUDA_ERROR_INVALID_VALUE: {ptr:#x} is not an allocation of this simulated device"
+            )));
+        };
+        st.used -= size;
+        if self.backed {
+            // SAFETY: [ptr, ptr+size) lies inside our own mapping and is no longer handed out;
+            // MADV_DONTNEED only drops its pages.
+            unsafe { libc::madvise(ptr as *mut libc::c_void, size as usize, libc::MADV_DONTNEED) };
+        }
+        // Insert and coalesce with neighbours.
+        let (mut start, mut len) = (ptr, size);
+        if let Some((&prev, &plen)) = st.free.range(..start).next_back() {
+            if prev + plen == start {
+                st.free.remove(&prev);
+                start = prev;
+                len += plen;
+            }
+        }
+        if let Some(&nlen) = st.free.get(&(start + len)) {
+            st.free.remove(&(start + len));
+            len += nlen;
+        }
+        st.free.insert(start, len);
+        Ok(())
+    }
+}
+
+impl Drop for SimDevice {
+    fn drop(&mut self) {
+        if self.backed {
+            // SAFETY: the mapping was made in `new` with this base and span and nothing else
+            // refers to it once the device is dropped.
+            unsafe { libc::munmap(self.base as *mut libc::c_void, self.span as usize) };
+        }
+    }
+}
+
+/// Stream holds, shared by every simulated driver in the process (stream handles are global,
+/// as they are in CUDA).
+#[derive(Default)]
+struct StreamState {
+    held: bool,
+    /// Bumped each time the stream is released: events recorded before a release complete.
+    releases: u64,
+}
+
+static STREAMS: Lazy<Mutex<HashMap<Stream, StreamState>>> = Lazy::new(|| Mutex::new(HashMap::new()));
+
+/// Holds `stream`: events recorded on it from now on stay pending until [`release_stream`].
+pub fn hold_stream(stream: Stream) {
+    STREAMS.lock().entry(stream).or_default().held = true;
+}
+
+/// Releases `stream`: every event recorded on it while it was held completes.
+pub fn release_stream(stream: Stream) {
+    let mut streams = STREAMS.lock();
+    let s = streams.entry(stream).or_default();
+    s.held = false;
+    s.releases += 1;
+}
+
+/// Whether `stream` is held.
+pub fn stream_is_held(stream: Stream) -> bool {
+    STREAMS.lock().get(&stream).is_some_and(|s| s.held)
+}
+
+/// Host memory known to the simulated driver.
+#[derive(Clone, Copy)]
+enum HostRange {
+    /// Mapped by `host_alloc`; `locked` when `mlock` succeeded.
+    Pinned { size: usize, locked: bool },
+    /// The caller's pages, registered by `host_register`.
+    Registered,
+}
+
+#[derive(Clone, Copy)]
+enum EventState {
+    /// Created or completed.
+    Done,
+    /// Recorded on a held stream, before its `releases`-th release.
+    Pending { stream: Stream, releases: u64 },
+}
+
+/// The simulated driver.
+pub struct SimDriver {
+    config: SimConfig,
+    devices: Vec<SimDevice>,
+    events: Mutex<HashMap<u64, EventState>>,
+    next_event: AtomicU64,
+    host: Mutex<HashMap<usize, HostRange>>,
+    /// Call counters.
+    pub counters: SimCounters,
+}
+
+impl SimDriver {
+    /// A simulated driver as the environment configures it.
+    pub fn from_env() -> Result<SimDriver> {
+        SimDriver::new(SimConfig::from_env()?)
+    }
+
+    /// A simulated driver with `config`.
+    pub fn new(config: SimConfig) -> Result<SimDriver> {
+        if config.devices == 0 {
+            return Err(Error::Config("a simulated driver needs at least one device".into()));
+        }
+        let devices = (0..config.devices)
+            .map(|i| SimDevice::new(i, config.capacity, config.backed))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(SimDriver {
+            config,
+            devices,
+            events: Mutex::new(HashMap::new()),
+            next_event: AtomicU64::new(1),
+            host: Mutex::new(HashMap::new()),
+            counters: SimCounters::default(),
+        })
+    }
+
+    /// A shared simulated driver with `devices` devices of `capacity` bytes each.
+    pub fn shared(devices: usize, capacity: u64) -> Result<Arc<SimDriver>> {
+        Ok(Arc::new(SimDriver::new(SimConfig { devices, capacity, backed: true })?))
+    }
+
+    /// The configuration this driver was built with.
+    pub fn config(&self) -> SimConfig {
+        self.config
+    }
+
+    /// Bytes of device memory handed out on `device`.
+    pub fn used(&self, device: usize) -> u64 {
+        self.devices.get(device).map_or(0, |d| d.state.lock().used)
+    }
+
+    fn device(&self, device: usize) -> Result<&SimDevice> {
+        self.devices.get(device).ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "device {device} does not exist: the simulated driver has {} device(s) (TENSORALLOC_SIM_DEVICES)",
+                self.devices.len()
+            ))
+        })
+    }
+
+    fn bump(counter: &AtomicU64) {
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+impl Driver for SimDriver {
+    fn name(&self) -> &'static str {
+        "sim"
+    }
+
+    fn device_count(&self) -> Result<usize> {
+        Ok(self.devices.len())
+    }
+
+    fn mem_alloc(&self, device: usize, size: usize) -> Result<usize> {
+        let p = self.device(device)?.alloc(size)?;
+        Self::bump(&self.counters.mem_alloc);
+        Ok(p)
+    }
+
+    fn mem_free(&self, device: usize, ptr: usize) -> Result<()> {
+        self.device(device)?.free(ptr)?;
+        Self::bump(&self.counters.mem_free);
+        Ok(())
+    }
+
+    fn mem_info(&self, device: usize) -> Result<MemInfo> {
+        let d = self.device(device)?;
+        let used = d.state.lock().used;
+        Ok(MemInfo { free: d.capacity - used, total: d.capacity })
+    }
+
+    fn event_create(&self, device: usize) -> Result<Event> {
+        self.device(device)?;
+        let id = self.next_event.fetch_add(1, Ordering::Relaxed);
+        self.events.lock().insert(id, EventState::Done);
+        Self::bump(&self.counters.events_created);
+        Ok(Event(id))
+    }
+
+    fn event_destroy(&self, _device: usize, event: Event) -> Result<()> {
+        self.events
+            .lock()
+            .remove(&event.0)
+            .ok_or_else(|| Error::Driver(format!("CUDA_ERROR_INVALID_HANDLE: event {} does not exist", event.0)))?;
+        Self::bump(&self.counters.events_destroyed);
+        Ok(())
+    }
+
+    fn event_record(&self, _device: usize, event: Event, stream: Stream) -> Result<()> {
+        let state = {
+            let streams = STREAMS.lock();
+            match streams.get(&stream) {
+                Some(s) if s.held => EventState::Pending { stream, releases: s.releases },
+                _ => EventState::Done,
+            }
+        };
+        let mut events = self.events.lock();
+        let slot = events
+            .get_mut(&event.0)
+            .ok_or_else(|| Error::Driver(format!("CUDA_ERROR_INVALID_HANDLE: event {} does not exist", event.0)))?;
+        *slot = state;
+        Self::bump(&self.counters.event_records);
+        Ok(())
+    }
+
+    fn event_query(&self, _device: usize, event: Event) -> Result<bool> {
+        let state = *self
+            .events
+            .lock()
+            .get(&event.0)
+            .ok_or_else(|| Error::Driver(format!("CUDA_ERROR_INVALID_HANDLE: event {} does not exist", event.0)))?;
+        Ok(match state {
+            EventState::Done => true,
+            EventState::Pending { stream, releases } => STREAMS.lock().get(&stream).is_none_or(|s| s.releases > releases),
+        })
+    }
+
+    fn event_synchronize(&self, _device: usize, event: Event) -> Result<()> {
+        let mut events = self.events.lock();
+        let slot = events
+            .get_mut(&event.0)
+            .ok_or_else(|| Error::Driver(format!("CUDA_ERROR_INVALID_HANDLE: event {} does not exist", event.0)))?;
+        // Waiting finishes the captured work.
+        *slot = EventState::Done;
+        Self::bump(&self.counters.event_syncs);
+        Ok(())
+    }
+
+    fn stream_device(&self, _stream: Stream) -> Result<usize> {
+        Ok(0)
+    }
+
+    fn host_alloc(&self, size: usize) -> Result<usize> {
+        if size == 0 {
+            return Err(Error::InvalidArgument("cannot pin 0 bytes".into()));
+        }
+        // SAFETY: an anonymous private mapping with no hint; checked against MAP_FAILED.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                size,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(Error::OutOfMemory(format!("cannot map {size} bytes of host memory")));
+        }
+        // Lock the pages where the process may; pinned memory is page-locked on a real driver.
+        // SAFETY: [p, p+size) is the mapping just made.
+        let locked = unsafe { libc::mlock(p, size) } == 0;
+        self.host.lock().insert(p as usize, HostRange::Pinned { size, locked });
+        Self::bump(&self.counters.host_alloc);
+        Ok(p as usize)
+    }
+
+    fn host_free(&self, ptr: usize) -> Result<()> {
+        let (size, locked) = {
+            let mut host = self.host.lock();
+            match host.get(&ptr) {
+                Some(&HostRange::Pinned { size, locked }) => {
+                    host.remove(&ptr);
+                    (size, locked)
+                }
+                _ => {
+                    return Err(Error::Driver(format!(
+                        "CUDA_ERROR_INVALID_VALUE: {ptr:#x} is not pinned host memory"
+                    )))
+                }
+            }
+        };
+        // SAFETY: the range is the mapping made by host_alloc, removed from the table above so
+        // it is unmapped once.
+        unsafe {
+            if locked {
+                libc::munlock(ptr as *mut libc::c_void, size);
+            }
+            libc::munmap(ptr as *mut libc::c_void, size);
+        }
+        Self::bump(&self.counters.host_free);
+        Ok(())
+    }
+
+    fn host_register(&self, ptr: usize, size: usize) -> Result<()> {
+        if ptr == 0 || size == 0 {
+            return Err(Error::Driver("CUDA_ERROR_INVALID_VALUE: empty range to register".into()));
+        }
+        // Registered memory is simply remembered: the caller owns the pages.
+        let mut host = self.host.lock();
+        if host.contains_key(&ptr) {
+            return Err(Error::Driver(format!(
+                "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED: {ptr:#x}"
+            )));
+        }
+        host.insert(ptr, HostRange::Registered);
+        Self::bump(&self.counters.host_register);
+        Ok(())
+    }
+
+    fn host_unregister(&self, ptr: usize) -> Result<()> {
+        {
+            let mut host = self.host.lock();
+            if !matches!(host.get(&ptr), Some(HostRange::Registered)) {
+                return Err(Error::Driver(format!("CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED: {ptr:#x}")));
+            }
+            host.remove(&ptr);
+        }
+        Self::bump(&self.counters.host_unregister);
+        Ok(())
+    }
+}

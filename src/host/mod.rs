@@ -1,0 +1,1 @@
+//! The caching pinned-host allocator.

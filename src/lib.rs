@@ -1,0 +1,19 @@
+//! tensoralloc: a drop-in caching memory allocator for GPU machine-learning runtimes.
+//!
+//! - [`device`]: the CUDA caching device allocator (PyTorch's CUDACachingAllocator semantics);
+//! - [`host`]: the caching pinned-host allocator;
+//! - [`plan`]: memory planners for static workloads;
+//! - [`driver`]: the only code that talks to a GPU driver (NVIDIA through cudarc, or the
+//!   simulated device);
+//! - [`capi`]: the C boundary, described by `include/tensoralloc.h`.
+
+pub mod capi;
+pub mod config;
+pub mod device;
+pub mod driver;
+pub mod error;
+pub mod host;
+pub mod plan;
+pub mod runtime;
+
+pub use error::{Error, Result};

@@ -1,0 +1,1 @@
+//! Memory planners for static workloads.
