@@ -15,13 +15,22 @@ use tensoralloc::device::DeviceAllocator;
 use tensoralloc::driver::sim::{SimConfig, SimDriver};
 
 fn allocator() -> DeviceAllocator {
-    let sim = SimDriver::new(SimConfig { devices: 1, capacity: 64 << 30, backed: false }).unwrap();
+    let sim = SimDriver::new(SimConfig {
+        devices: 1,
+        capacity: 64 << 30,
+        backed: false,
+    })
+    .unwrap();
     DeviceAllocator::new(Arc::new(sim), 0, &Config::default()).unwrap()
 }
 
 fn cached_pair(c: &mut Criterion) {
     let mut g = c.benchmark_group("cached_pair");
-    for (name, size) in [("4KiB", 4usize << 10), ("1MiB", 1 << 20), ("64MiB", 64 << 20)] {
+    for (name, size) in [
+        ("4KiB", 4usize << 10),
+        ("1MiB", 1 << 20),
+        ("64MiB", 64 << 20),
+    ] {
         let a = allocator();
         let warm = a.malloc(size, 7).unwrap();
         a.free(warm, Some(7)).unwrap();

@@ -42,7 +42,8 @@ impl Config {
     pub fn from_env() -> Result<Config> {
         for var in ["TENSORALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"] {
             if let Ok(v) = std::env::var(var) {
-                return Config::parse(&v).map_err(|e| Error::Config(format!("{var}: {}", e.message())));
+                return Config::parse(&v)
+                    .map_err(|e| Error::Config(format!("{var}: {}", e.message())));
             }
         }
         Ok(Config::default())
@@ -55,9 +56,9 @@ impl Config {
     pub fn parse(text: &str) -> Result<Config> {
         let mut c = Config::default();
         for item in text.split(',').map(str::trim).filter(|s| !s.is_empty()) {
-            let (key, value) = item.split_once(':').ok_or_else(|| {
-                Error::Config(format!("`{item}` is not a `key:value` pair"))
-            })?;
+            let (key, value) = item
+                .split_once(':')
+                .ok_or_else(|| Error::Config(format!("`{item}` is not a `key:value` pair")))?;
             let (key, value) = (key.trim(), value.trim());
             match key {
                 "max_split_size_mb" => {
@@ -142,16 +143,22 @@ pub fn parse_size(text: &str) -> Result<u64> {
     let t = text.trim();
     let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
-    let n: u64 = num
-        .parse()
-        .map_err(|_| Error::Config(format!("`{text}` is not a size (examples: 1073741824, 512MiB, 16GiB)")))?;
+    let n: u64 = num.parse().map_err(|_| {
+        Error::Config(format!(
+            "`{text}` is not a size (examples: 1073741824, 512MiB, 16GiB)"
+        ))
+    })?;
     let shift = match unit.trim().to_ascii_lowercase().as_str() {
         "" | "b" => 0,
         "k" | "kb" | "kib" => 10,
         "m" | "mb" | "mib" => 20,
         "g" | "gb" | "gib" => 30,
         "t" | "tb" | "tib" => 40,
-        _ => return Err(Error::Config(format!("`{text}` has an unknown unit (use B, KiB, MiB, GiB or TiB)"))),
+        _ => {
+            return Err(Error::Config(format!(
+                "`{text}` has an unknown unit (use B, KiB, MiB, GiB or TiB)"
+            )))
+        }
     };
     n.checked_mul(1u64 << shift)
         .ok_or_else(|| Error::Config(format!("`{text}` is too large")))
@@ -184,8 +191,15 @@ mod tests {
 
     #[test]
     fn config_rejects_bad_strings_with_a_reason() {
-        for bad in ["max_split_size_mb", "max_split_size_mb:ten", "max_split_size_mb:4", "nonsense:1",
-                    "garbage_collection_threshold:1.5", "pinned_num_register_threads:3", "expandable_segments:maybe"] {
+        for bad in [
+            "max_split_size_mb",
+            "max_split_size_mb:ten",
+            "max_split_size_mb:4",
+            "nonsense:1",
+            "garbage_collection_threshold:1.5",
+            "pinned_num_register_threads:3",
+            "expandable_segments:maybe",
+        ] {
             let e = Config::parse(bad).unwrap_err();
             assert!(matches!(e, Error::Config(_)), "{bad}");
             assert!(!e.message().is_empty());

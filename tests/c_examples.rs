@@ -19,7 +19,10 @@ fn every_c_example_compiles_and_passes() {
         .filter(|p| p.extension().is_some_and(|e| e == "c"))
         .collect();
     sources.sort();
-    assert!(sources.len() >= 6, "the C smoke suite is missing examples: {sources:?}");
+    assert!(
+        sources.len() >= 6,
+        "the C smoke suite is missing examples: {sources:?}"
+    );
     let mut failures = Vec::new();
     for src in &sources {
         let name = src.file_stem().unwrap().to_string_lossy().to_string();
@@ -38,11 +41,18 @@ fn every_c_example_compiles_and_passes() {
             .output()
             .unwrap();
         if !compiled.status.success() {
-            failures.push(format!("{name}: does not compile:\n{}", String::from_utf8_lossy(&compiled.stderr)));
+            failures.push(format!(
+                "{name}: does not compile:\n{}",
+                String::from_utf8_lossy(&compiled.stderr)
+            ));
             continue;
         }
         let ran = with_driver(&mut Command::new(&exe)).output().unwrap();
-        let text = format!("{}{}", String::from_utf8_lossy(&ran.stdout), String::from_utf8_lossy(&ran.stderr));
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&ran.stdout),
+            String::from_utf8_lossy(&ran.stderr)
+        );
         println!("== {name}\n{text}");
         if !ran.status.success() {
             failures.push(format!("{name}: failed ({}):\n{text}", ran.status));
@@ -69,6 +79,12 @@ fn the_quickstart_example_prints_statistics() {
         "compiling the quickstart",
     );
     let text = run(with_driver(&mut Command::new(&exe)), "the quickstart");
-    assert!(text.contains("allocated: 31462400 bytes in 3 allocations"), "{text}");
-    assert!(text.contains("after empty_cache: 0 bytes reserved"), "{text}");
+    assert!(
+        text.contains("allocated: 31462400 bytes in 3 allocations"),
+        "{text}"
+    );
+    assert!(
+        text.contains("after empty_cache: 0 bytes reserved"),
+        "{text}"
+    );
 }

@@ -11,7 +11,16 @@ use support::{cc, root, run};
 fn header_compiles_alone_as_c99() {
     run(
         Command::new(cc())
-            .args(["-std=c99", "-pedantic", "-Wall", "-Wextra", "-Werror", "-fsyntax-only", "-x", "c"])
+            .args([
+                "-std=c99",
+                "-pedantic",
+                "-Wall",
+                "-Wextra",
+                "-Werror",
+                "-fsyntax-only",
+                "-x",
+                "c",
+            ])
             .arg(root().join("include/tensoralloc.h")),
         "compiling the header as C99",
     );
@@ -22,7 +31,16 @@ fn header_compiles_alone_as_cpp17() {
     let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".to_string());
     run(
         Command::new(cxx)
-            .args(["-std=c++17", "-pedantic", "-Wall", "-Wextra", "-Werror", "-fsyntax-only", "-x", "c++"])
+            .args([
+                "-std=c++17",
+                "-pedantic",
+                "-Wall",
+                "-Wextra",
+                "-Werror",
+                "-fsyntax-only",
+                "-x",
+                "c++",
+            ])
             .arg(root().join("include/tensoralloc.h")),
         "compiling the header as C++17",
     );
@@ -68,14 +86,24 @@ CUstream as_driver_stream(cudaStream_t s) { return s; }
 "#,
     )
     .unwrap();
-    for (compiler, std) in [(cc(), "-std=c99"), (std::env::var("CXX").unwrap_or_else(|_| "c++".into()), "-std=c++17")] {
+    for (compiler, std) in [
+        (cc(), "-std=c99"),
+        (
+            std::env::var("CXX").unwrap_or_else(|_| "c++".into()),
+            "-std=c++17",
+        ),
+    ] {
         let mut cmd = Command::new(compiler);
         cmd.args([std, "-Wall", "-Werror", "-fsyntax-only"]);
         if std.contains("++") {
             cmd.args(["-x", "c++"]);
         }
         run(
-            cmd.arg("-I").arg(&cuda).arg("-I").arg(root().join("include")).arg(&tu),
+            cmd.arg("-I")
+                .arg(&cuda)
+                .arg("-I")
+                .arg(root().join("include"))
+                .arg(&tu),
             "compiling the header with NVIDIA's cuda_runtime_api.h",
         );
     }
@@ -92,7 +120,10 @@ fn committed_header_matches_the_generated_one() {
             .current_dir(&root)
             .output()
             .expect("git runs");
-        assert!(committed.status.success(), "include/tensoralloc.h is not committed");
+        assert!(
+            committed.status.success(),
+            "include/tensoralloc.h is not committed"
+        );
         assert!(
             String::from_utf8_lossy(&committed.stdout) == generated,
             "the committed include/tensoralloc.h differs from what build.rs generates: commit the regenerated header"

@@ -69,7 +69,9 @@ impl StatSink for Sink<'_> {
     #[inline]
     fn change(&mut self, index: usize, delta: i64) {
         let alloc = self.alloc;
-        alloc.counters.change(&self.shard.stats, index, delta, |i| alloc.total_current(i));
+        alloc
+            .counters
+            .change(&self.shard.stats, index, delta, |i| alloc.total_current(i));
     }
 }
 
@@ -121,7 +123,10 @@ impl DeviceAllocator {
     }
 
     fn total_current(&self, index: usize) -> i64 {
-        self.shards.iter().map(|s| s.stats.cells[index].current.load(Relaxed)).sum()
+        self.shards
+            .iter()
+            .map(|s| s.stats.cells[index].current.load(Relaxed))
+            .sum()
     }
 
     /// Allocates `size` bytes for use on `stream`. Returns the address, or 0 for a size of 0.
@@ -133,7 +138,10 @@ impl DeviceAllocator {
             return Err(Error::InvalidArgument(if size > isize::MAX as usize {
                 format!("size {size} is absurd (a negative number passed as size_t?)")
             } else {
-                format!("size {size} ({}) is larger than any device", format_bytes(size as u64))
+                format!(
+                    "size {size} ({}) is larger than any device",
+                    format_bytes(size as u64)
+                )
             }));
         }
         let rounded = round_size(size);
@@ -146,7 +154,13 @@ impl DeviceAllocator {
                 self.process_events(shard, &mut inner);
             }
             if let Some(id) = inner.take_best_fit(pool, rounded, self.max_split_size) {
-                return Ok(inner.allocate(id, rounded, size, self.max_split_size, &mut self.sink(shard)));
+                return Ok(inner.allocate(
+                    id,
+                    rounded,
+                    size,
+                    self.max_split_size,
+                    &mut self.sink(shard),
+                ));
             }
             let seg = segment_size(rounded);
             if self.gc_threshold > 0.0 {
@@ -156,8 +170,20 @@ impl DeviceAllocator {
                 Ok(addr) => {
                     DeviceCounters::bump(&self.counters.num_device_alloc);
                     self.segments.write().insert(addr, (seg, shard.index));
-                    let id = inner.add_segment(addr, seg, pool, self.max_split_size, &mut self.sink(shard));
-                    return Ok(inner.allocate(id, rounded, size, self.max_split_size, &mut self.sink(shard)));
+                    let id = inner.add_segment(
+                        addr,
+                        seg,
+                        pool,
+                        self.max_split_size,
+                        &mut self.sink(shard),
+                    );
+                    return Ok(inner.allocate(
+                        id,
+                        rounded,
+                        size,
+                        self.max_split_size,
+                        &mut self.sink(shard),
+                    ));
                 }
                 Err(Error::OutOfMemory(_)) if !retried => {
                     drop(inner);
@@ -227,7 +253,8 @@ impl DeviceAllocator {
         if found.is_none() {
             if let Some(shard) = self.owner_of(ptr) {
                 let mut inner = shard.inner.lock();
-                if let Some(id) = inner.unallocate(ptr, self.max_split_size, &mut self.sink(shard)) {
+                if let Some(id) = inner.unallocate(ptr, self.max_split_size, &mut self.sink(shard))
+                {
                     found = Some((shard, inner, id));
                 }
             }
@@ -239,7 +266,12 @@ impl DeviceAllocator {
         Ok(true)
     }
 
-    fn finish_free(&self, shard: &Shard, mut inner: parking_lot::MutexGuard<'_, ShardInner>, id: u32) -> Result<()> {
+    fn finish_free(
+        &self,
+        shard: &Shard,
+        mut inner: parking_lot::MutexGuard<'_, ShardInner>,
+        id: u32,
+    ) -> Result<()> {
         let uses = std::mem::take(&mut inner.block_mut(id).stream_uses);
         if uses.is_empty() {
             inner.release(id, &mut self.sink(shard));
@@ -250,7 +282,11 @@ impl DeviceAllocator {
         let mut recorded: Vec<Event> = Vec::with_capacity(uses.len());
         let mut failure = None;
         for s in uses {
-            match self.events.get(&self.driver).and_then(|e| self.driver.event_record(self.device, e, s).map(|()| e)) {
+            match self
+                .events
+                .get(&self.driver)
+                .and_then(|e| self.driver.event_record(self.device, e, s).map(|()| e))
+            {
                 Ok(e) => recorded.push(e),
                 Err(e) => failure = Some(e),
             }
@@ -317,7 +353,13 @@ impl DeviceAllocator {
         let shard = self.owner_of(ptr).ok_or_else(unknown)?;
         if stream == shard.stream {
             // The allocation stream is always waited for implicitly.
-            return shard.inner.lock().live.contains_key(&ptr).then_some(()).ok_or_else(unknown);
+            return shard
+                .inner
+                .lock()
+                .live
+                .contains_key(&ptr)
+                .then_some(())
+                .ok_or_else(unknown);
         }
         let mut inner = shard.inner.lock();
         let id = *inner.live.get(&ptr).ok_or_else(unknown)?;
@@ -336,7 +378,10 @@ impl DeviceAllocator {
             let done = match self.driver.event_query(self.device, event) {
                 Ok(done) => done,
                 Err(e) => {
-                    eprintln!("tensoralloc: device {}: event query failed ({e}); waiting for it", self.device);
+                    eprintln!(
+                        "tensoralloc: device {}: event query failed ({e}); waiting for it",
+                        self.device
+                    );
                     self.driver.event_synchronize(self.device, event).is_ok()
                 }
             };
@@ -370,7 +415,12 @@ impl DeviceAllocator {
     }
 
     /// Returns unused whole segments of `shard` to the driver until `goal` bytes are released.
-    fn release_segments(&self, shard: &Shard, inner: &mut ShardInner, goal: usize) -> Result<usize> {
+    fn release_segments(
+        &self,
+        shard: &Shard,
+        inner: &mut ShardInner,
+        goal: usize,
+    ) -> Result<usize> {
         let mut released = 0;
         for id in inner.whole_free_segments() {
             if released >= goal {
@@ -389,8 +439,12 @@ impl DeviceAllocator {
     /// Before growing past the garbage-collection threshold, return this stream's unused
     /// segments to the driver.
     fn collect_garbage(&self, shard: &Shard, inner: &mut ShardInner, want: usize) {
-        let Ok(info) = self.driver.mem_info(self.device) else { return };
-        let reserved = self.total_current(stats::aggregate(StatKind::ReservedBytes)).max(0) as u64;
+        let Ok(info) = self.driver.mem_info(self.device) else {
+            return;
+        };
+        let reserved = self
+            .total_current(stats::aggregate(StatKind::ReservedBytes))
+            .max(0) as u64;
         let limit = (info.total as f64 * self.gc_threshold) as u64;
         if reserved + want as u64 > limit {
             let _ = self.release_segments(shard, inner, (reserved + want as u64 - limit) as usize);
@@ -444,7 +498,11 @@ impl DeviceAllocator {
         out.num_device_alloc = c.num_device_alloc.load(Relaxed);
         out.num_device_free = c.num_device_free.load(Relaxed);
         out.num_invalid_frees = c.num_invalid_frees.load(Relaxed);
-        out.max_split_size = if self.max_split_size == usize::MAX { -1 } else { self.max_split_size as i64 };
+        out.max_split_size = if self.max_split_size == usize::MAX {
+            -1
+        } else {
+            self.max_split_size as i64
+        };
         out
     }
 
@@ -493,7 +551,10 @@ impl DeviceAllocator {
     pub fn is_allocated(&self, ptr: usize) -> bool {
         self.owner_of(ptr).is_some_and(|s| {
             let inner = s.inner.lock();
-            inner.live.get(&ptr).is_some_and(|&id| inner.block(id).state == State::Allocated)
+            inner
+                .live
+                .get(&ptr)
+                .is_some_and(|&id| inner.block(id).state == State::Allocated)
         })
     }
 }

@@ -148,7 +148,12 @@ impl ShardInner {
     }
 
     /// Takes the best-fitting free block for `rounded` bytes out of `pool`, if one may serve it.
-    pub fn take_best_fit(&mut self, pool: PoolKind, rounded: usize, max_split_size: usize) -> Option<u32> {
+    pub fn take_best_fit(
+        &mut self,
+        pool: PoolKind,
+        rounded: usize,
+        max_split_size: usize,
+    ) -> Option<u32> {
         let &(size, _, id) = self.index_of(pool).range((rounded, 0, 0)..).next()?;
         // Larger candidates would break the oversize rules too, so the first one decides.
         if !super::size::block_fits(size, rounded, max_split_size) {
@@ -159,7 +164,14 @@ impl ShardInner {
     }
 
     /// Adds a new segment as one block (not in any pool yet) and counts it.
-    pub fn add_segment(&mut self, addr: usize, size: usize, pool: PoolKind, max_split_size: usize, stats: &mut impl StatSink) -> u32 {
+    pub fn add_segment(
+        &mut self,
+        addr: usize,
+        size: usize,
+        pool: PoolKind,
+        max_split_size: usize,
+        stats: &mut impl StatSink,
+    ) -> u32 {
         stats.both(StatKind::Segment, pool, 1);
         stats.both(StatKind::ReservedBytes, pool, size as i64);
         if size >= max_split_size {
@@ -180,7 +192,14 @@ impl ShardInner {
 
     /// Hands block `id` (out of the pools) to a client for `requested` bytes rounded to
     /// `rounded`, splitting off the rest when it is worth keeping.
-    pub fn allocate(&mut self, id: u32, rounded: usize, requested: usize, max_split_size: usize, stats: &mut impl StatSink) -> usize {
+    pub fn allocate(
+        &mut self,
+        id: u32,
+        rounded: usize,
+        requested: usize,
+        max_split_size: usize,
+        stats: &mut impl StatSink,
+    ) -> usize {
         let (pool, size, was_split) = {
             let b = &self.blocks[id as usize];
             (b.pool, b.size, b.is_split())
@@ -233,7 +252,12 @@ impl ShardInner {
 
     /// The client frees the allocated block at `addr`. Returns its id, or `None` if no block
     /// of this shard is allocated there. The block stays active until [`ShardInner::release`].
-    pub fn unallocate(&mut self, addr: usize, max_split_size: usize, stats: &mut impl StatSink) -> Option<u32> {
+    pub fn unallocate(
+        &mut self,
+        addr: usize,
+        max_split_size: usize,
+        stats: &mut impl StatSink,
+    ) -> Option<u32> {
         let id = self.live.remove(&addr)?;
         let b = &mut self.blocks[id as usize];
         b.state = State::AwaitingEvents;
@@ -314,7 +338,12 @@ impl ShardInner {
     }
 
     /// Removes a whole free segment; returns its address and size.
-    pub fn remove_segment(&mut self, id: u32, max_split_size: usize, stats: &mut impl StatSink) -> (usize, usize) {
+    pub fn remove_segment(
+        &mut self,
+        id: u32,
+        max_split_size: usize,
+        stats: &mut impl StatSink,
+    ) -> (usize, usize) {
         self.remove_free(id);
         let b = &self.blocks[id as usize];
         debug_assert!(!b.is_split() && b.state == State::Free);

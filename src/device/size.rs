@@ -53,7 +53,12 @@ pub fn segment_size(rounded: usize) -> usize {
 /// Whether a free block of `block_size` bytes serving `rounded` bytes is split, leaving the
 /// rest in the pool: in the small pool when the rest can hold a block at all; in the large pool
 /// when the rest is over [`SMALL_SIZE`] and the request is under `max_split_size`.
-pub fn should_split(pool: PoolKind, block_size: usize, rounded: usize, max_split_size: usize) -> bool {
+pub fn should_split(
+    pool: PoolKind,
+    block_size: usize,
+    rounded: usize,
+    max_split_size: usize,
+) -> bool {
     let remaining = block_size - rounded;
     match pool {
         PoolKind::Small => remaining >= MIN_BLOCK_SIZE,
@@ -115,9 +120,24 @@ mod tests {
     fn split_thresholds_differ_by_pool() {
         assert!(should_split(PoolKind::Small, 1024, 512, usize::MAX));
         assert!(!should_split(PoolKind::Small, 1024, 1024, usize::MAX));
-        assert!(should_split(PoolKind::Large, 20 << 20, (19 << 20) - 512, usize::MAX));
-        assert!(should_split(PoolKind::Large, 20 << 20, 18 << 20, usize::MAX));
-        assert!(!should_split(PoolKind::Large, 20 << 20, 19 << 20, usize::MAX));
+        assert!(should_split(
+            PoolKind::Large,
+            20 << 20,
+            (19 << 20) - 512,
+            usize::MAX
+        ));
+        assert!(should_split(
+            PoolKind::Large,
+            20 << 20,
+            18 << 20,
+            usize::MAX
+        ));
+        assert!(!should_split(
+            PoolKind::Large,
+            20 << 20,
+            19 << 20,
+            usize::MAX
+        ));
         assert!(!should_split(PoolKind::Large, 40 << 20, 30 << 20, 25 << 20));
     }
 

@@ -140,7 +140,9 @@ pub(crate) struct ShardStats {
 
 impl Default for ShardStats {
     fn default() -> Self {
-        ShardStats { cells: std::array::from_fn(|_| Cell::default()) }
+        ShardStats {
+            cells: std::array::from_fn(|_| Cell::default()),
+        }
     }
 }
 
@@ -177,7 +179,13 @@ impl DeviceCounters {
     /// `total` sums the current value of `index` over all shards (called only when the device
     /// peak may have been passed).
     #[inline]
-    pub fn change(&self, shard: &ShardStats, index: usize, delta: i64, total: impl Fn(usize) -> i64) {
+    pub fn change(
+        &self,
+        shard: &ShardStats,
+        index: usize,
+        delta: i64,
+        total: impl Fn(usize) -> i64,
+    ) {
         let cell = &shard.cells[index];
         let current = cell.current.load(Relaxed) + delta;
         cell.current.store(current, Relaxed);
@@ -185,7 +193,8 @@ impl DeviceCounters {
             cell.freed.store(cell.freed.load(Relaxed) - delta, Relaxed);
             return;
         }
-        cell.allocated.store(cell.allocated.load(Relaxed) + delta, Relaxed);
+        cell.allocated
+            .store(cell.allocated.load(Relaxed) + delta, Relaxed);
         let mut local_peak = cell.local_peak.load(Relaxed);
         if current > local_peak {
             self.sum_local_peaks[index].fetch_add(current - local_peak, Relaxed);
