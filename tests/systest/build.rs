@@ -26,13 +26,17 @@ use quote::{format_ident, quote, ToTokens};
 use syn::{Attribute, Expr, Fields, FnArg, Item, Pat, ReturnType, Type, Visibility};
 
 fn main() {
-    let manifest = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
+    let manifest =
+        PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
     let root = manifest.join("../..");
     let capi_dir = root.join("src/capi");
     let include_dir = root.join("include");
     let out = PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
     println!("cargo:rerun-if-changed={}", capi_dir.display());
-    println!("cargo:rerun-if-changed={}", include_dir.join("tensoralloc.h").display());
+    println!(
+        "cargo:rerun-if-changed={}",
+        include_dir.join("tensoralloc.h").display()
+    );
 
     let api = Api::collect(&root, &capi_dir);
     write(&out.join("ctest_input.rs"), &api.ctest_input());
@@ -50,9 +54,16 @@ fn main() {
         .compile("tensoralloc_prototypes");
 
     let mut cfg = ctest::TestGenerator::new();
-    cfg.header("tensoralloc.h").include(&include_dir).out_dir(&out);
+    cfg.header("tensoralloc.h")
+        .include(&include_dir)
+        .out_dir(&out);
     // C sees these only as incomplete types: there is no layout to compare.
-    let opaque: BTreeSet<String> = api.structs.iter().filter(|s| !s.layout).map(|s| s.name.clone()).collect();
+    let opaque: BTreeSet<String> = api
+        .structs
+        .iter()
+        .filter(|s| !s.layout)
+        .map(|s| s.name.clone())
+        .collect();
     cfg.skip_struct(move |s| opaque.contains(s.ident()));
     if let Err(e) = ctest::generate_test(&mut cfg, out.join("ctest_input.rs"), "all.rs") {
         panic!("ctest could not generate the ABI test: {e}");
@@ -63,7 +74,10 @@ fn write(path: &Path, text: &str) {
     std::fs::write(path, text).unwrap_or_else(|e| panic!("cannot write {}: {e}", path.display()));
     if path.extension().is_some_and(|e| e == "rs") {
         // Readable when a check fails and someone opens the file; unformatted works as well.
-        let _ = std::process::Command::new("rustfmt").args(["--edition", "2021"]).arg(path).status();
+        let _ = std::process::Command::new("rustfmt")
+            .args(["--edition", "2021"])
+            .arg(path)
+            .status();
     }
 }
 
@@ -164,7 +178,12 @@ const PRIMITIVES: &[(&str, &str)] = &[
 ];
 
 /// Paths under which the `C_TYPES` are reached.
-const C_TYPE_MODULES: &[&[&str]] = &[&["std", "ffi"], &["core", "ffi"], &["std", "os", "raw"], &["libc"]];
+const C_TYPE_MODULES: &[&[&str]] = &[
+    &["std", "ffi"],
+    &["core", "ffi"],
+    &["std", "os", "raw"],
+    &["libc"],
+];
 
 fn is_pub(vis: &Visibility) -> bool {
     matches!(vis, Visibility::Public(_))
@@ -172,14 +191,18 @@ fn is_pub(vis: &Visibility) -> bool {
 
 /// `#[cfg(test)]` items are not part of the library.
 fn is_test_only(attrs: &[Attribute]) -> bool {
-    attrs.iter().any(|a| a.path().is_ident("cfg") && a.meta.to_token_stream().to_string().replace(' ', "") == "cfg(test)")
+    attrs.iter().any(|a| {
+        a.path().is_ident("cfg")
+            && a.meta.to_token_stream().to_string().replace(' ', "") == "cfg(test)"
+    })
 }
 
 /// `#[no_mangle]` or `#[unsafe(no_mangle)]`.
 fn is_no_mangle(attrs: &[Attribute]) -> bool {
     attrs.iter().any(|a| {
         a.path().is_ident("no_mangle")
-            || (a.path().is_ident("unsafe") && a.meta.to_token_stream().to_string().replace(' ', "") == "unsafe(no_mangle)")
+            || (a.path().is_ident("unsafe")
+                && a.meta.to_token_stream().to_string().replace(' ', "") == "unsafe(no_mangle)")
     })
 }
 
@@ -188,7 +211,11 @@ fn has_export_name(attrs: &[Attribute]) -> bool {
 }
 
 fn repr_attrs(attrs: &[Attribute]) -> Vec<Attribute> {
-    attrs.iter().filter(|a| a.path().is_ident("repr")).cloned().collect()
+    attrs
+        .iter()
+        .filter(|a| a.path().is_ident("repr"))
+        .cloned()
+        .collect()
 }
 
 fn has_repr_c(attrs: &[Attribute]) -> bool {
@@ -238,11 +265,17 @@ impl Api {
         let mut files = Vec::new();
         rust_files(capi_dir, &mut files);
         files.sort();
-        assert!(!files.is_empty(), "no Rust files under {}", capi_dir.display());
+        assert!(
+            !files.is_empty(),
+            "no Rust files under {}",
+            capi_dir.display()
+        );
         let mut api = Api::default();
         for path in files {
-            let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
-            let file = syn::parse_file(&text).unwrap_or_else(|e| panic!("cannot parse {}: {e}", path.display()));
+            let text = std::fs::read_to_string(&path)
+                .unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
+            let file = syn::parse_file(&text)
+                .unwrap_or_else(|e| panic!("cannot parse {}: {e}", path.display()));
             let relative = path.strip_prefix(root).unwrap_or(&path);
             let src = Source {
                 file: relative.display().to_string(),
@@ -258,18 +291,39 @@ impl Api {
     fn walk(&mut self, items: &[Item], src: &Source) {
         for item in items {
             match item {
-                Item::Fn(f) if !is_test_only(&f.attrs) && (is_no_mangle(&f.attrs) || has_export_name(&f.attrs)) => {
+                Item::Fn(f)
+                    if !is_test_only(&f.attrs)
+                        && (is_no_mangle(&f.attrs) || has_export_name(&f.attrs)) =>
+                {
                     let name = f.sig.ident.to_string();
-                    let abi = f.sig.abi.as_ref().and_then(|a| a.name.as_ref()).map(|n| n.value());
+                    let abi = f
+                        .sig
+                        .abi
+                        .as_ref()
+                        .and_then(|a| a.name.as_ref())
+                        .map(|n| n.value());
                     if has_export_name(&f.attrs) {
-                        self.unsupported.push(format!("{}: `{name}` uses #[export_name]", src.file));
+                        self.unsupported
+                            .push(format!("{}: `{name}` uses #[export_name]", src.file));
                     } else if !is_pub(&f.vis) {
                         // Exported from libtensoralloc.so all the same, but not in the header.
-                        self.unsupported.push(format!("{}: exported function `{name}` is not `pub`", src.file));
+                        self.unsupported.push(format!(
+                            "{}: exported function `{name}` is not `pub`",
+                            src.file
+                        ));
                     } else if f.sig.abi.is_none() || !matches!(abi.as_deref(), None | Some("C")) {
-                        self.unsupported.push(format!("{}: exported function `{name}` is not `extern \"C\"`", src.file));
-                    } else if !f.sig.generics.params.is_empty() || f.sig.variadic.is_some() || f.sig.asyncness.is_some() {
-                        self.unsupported.push(format!("{}: exported function `{name}` is generic, variadic or async", src.file));
+                        self.unsupported.push(format!(
+                            "{}: exported function `{name}` is not `extern \"C\"`",
+                            src.file
+                        ));
+                    } else if !f.sig.generics.params.is_empty()
+                        || f.sig.variadic.is_some()
+                        || f.sig.asyncness.is_some()
+                    {
+                        self.unsupported.push(format!(
+                            "{}: exported function `{name}` is generic, variadic or async",
+                            src.file
+                        ));
                     } else {
                         let params = f
                             .sig
@@ -300,9 +354,18 @@ impl Api {
                     let all_public = s.fields.iter().all(|f| is_pub(&f.vis));
                     let repr_c = has_repr_c(&s.attrs);
                     if !s.generics.params.is_empty() {
-                        self.unsupported.push(format!("{}: struct `{name}` is generic", src.file));
-                    } else if repr_c && matches!(s.fields, Fields::Named(_)) && !s.fields.is_empty() && all_public {
-                        let fields = s.fields.iter().map(|f| (f.ident.clone().expect("named field"), f.ty.clone())).collect();
+                        self.unsupported
+                            .push(format!("{}: struct `{name}` is generic", src.file));
+                    } else if repr_c
+                        && matches!(s.fields, Fields::Named(_))
+                        && !s.fields.is_empty()
+                        && all_public
+                    {
+                        let fields = s
+                            .fields
+                            .iter()
+                            .map(|f| (f.ident.clone().expect("named field"), f.ty.clone()))
+                            .collect();
                         self.structs.push(Struct {
                             name,
                             src: src.clone(),
@@ -333,7 +396,8 @@ impl Api {
                             ty: (*t.ty).clone(),
                         });
                     } else {
-                        self.unsupported.push(format!("{}: type alias `{}` is generic", src.file, t.ident));
+                        self.unsupported
+                            .push(format!("{}: type alias `{}` is generic", src.file, t.ident));
                     }
                 }
                 Item::Const(c) if is_pub(&c.vis) && !is_test_only(&c.attrs) => {
@@ -344,13 +408,24 @@ impl Api {
                     });
                 }
                 Item::Enum(e) if is_pub(&e.vis) && !is_test_only(&e.attrs) => {
-                    self.unsupported.push(format!("{}: enum `{}` (the generator does not check enums)", src.file, e.ident));
+                    self.unsupported.push(format!(
+                        "{}: enum `{}` (the generator does not check enums)",
+                        src.file, e.ident
+                    ));
                 }
                 Item::Union(u) if is_pub(&u.vis) && !is_test_only(&u.attrs) => {
-                    self.unsupported.push(format!("{}: union `{}` (the generator does not check unions)", src.file, u.ident));
+                    self.unsupported.push(format!(
+                        "{}: union `{}` (the generator does not check unions)",
+                        src.file, u.ident
+                    ));
                 }
-                Item::Static(s) if (is_pub(&s.vis) || is_no_mangle(&s.attrs)) && !is_test_only(&s.attrs) => {
-                    self.unsupported.push(format!("{}: static `{}` (the generator does not check statics)", src.file, s.ident));
+                Item::Static(s)
+                    if (is_pub(&s.vis) || is_no_mangle(&s.attrs)) && !is_test_only(&s.attrs) =>
+                {
+                    self.unsupported.push(format!(
+                        "{}: static `{}` (the generator does not check statics)",
+                        src.file, s.ident
+                    ));
                 }
                 Item::Mod(m) if !is_test_only(&m.attrs) => {
                     if let Some((_, inner)) = &m.content {
@@ -377,7 +452,10 @@ impl Api {
                 .chain(self.aliases.iter().map(|a| a.name.clone()))
                 .collect();
             let consts: BTreeSet<String> = self.consts.iter().map(|c| c.name.clone()).collect();
-            let names = Names { types: &known, consts: &consts };
+            let names = Names {
+                types: &known,
+                consts: &consts,
+            };
             let mut unsupported = Vec::new();
 
             let mut duplicates = BTreeSet::new();
@@ -395,7 +473,9 @@ impl Api {
                 }
             }
             for name in &duplicates {
-                unsupported.push(format!("`{name}` is defined more than once in src/capi (C has one namespace)"));
+                unsupported.push(format!(
+                    "`{name}` is defined more than once in src/capi (C has one namespace)"
+                ));
             }
 
             self.aliases.retain_mut(|a| match names.rust_type(&a.ty) {
@@ -427,7 +507,12 @@ impl Api {
                 let fields: Result<Vec<_>, String> = s
                     .fields
                     .iter()
-                    .map(|(f, t)| names.rust_type(t).map(|t| (f.clone(), t)).map_err(|e| format!("field `{f}`: {e}")))
+                    .map(|(f, t)| {
+                        names
+                            .rust_type(t)
+                            .map(|t| (f.clone(), t))
+                            .map_err(|e| format!("field `{f}`: {e}"))
+                    })
                     .collect();
                 match fields {
                     Ok(f) => {
@@ -478,7 +563,12 @@ impl Api {
     }
 
     fn names(&self) -> (BTreeSet<String>, BTreeSet<String>) {
-        let types = self.structs.iter().map(|s| s.name.clone()).chain(self.aliases.iter().map(|a| a.name.clone())).collect();
+        let types = self
+            .structs
+            .iter()
+            .map(|s| s.name.clone())
+            .chain(self.aliases.iter().map(|a| a.name.clone()))
+            .collect();
         let consts = self.consts.iter().map(|c| c.name.clone()).collect();
         (types, consts)
     }
@@ -594,7 +684,10 @@ impl Api {
             #(#struct_checks)*
             #(#fn_checks)*
         };
-        format!("// Generated by tests/systest/build.rs from src/capi/.\n{}\n", code)
+        format!(
+            "// Generated by tests/systest/build.rs from src/capi/.\n{}\n",
+            code
+        )
     }
 
     /// The tables `tests/prototypes.rs` checks.
@@ -626,7 +719,10 @@ impl Api {
             /// Exported items the generator could not check, with the reason.
             const UNSUPPORTED: &[&str] = &[#(#unsupported),*];
         };
-        format!("// Generated by tests/systest/build.rs from src/capi/.\n{}\n", code)
+        format!(
+            "// Generated by tests/systest/build.rs from src/capi/.\n{}\n",
+            code
+        )
     }
 
     /// One C function per exported function: 1 when the header's prototype is compatible with
@@ -654,8 +750,14 @@ impl Api {
 
     fn c_fn_type(&self, f: &Function) -> CType {
         let (types, consts) = self.names();
-        let names = Names { types: &types, consts: &consts };
-        let ret = f.output.as_ref().map_or(CType::void(), |t| names.c_type(t, self));
+        let names = Names {
+            types: &types,
+            consts: &consts,
+        };
+        let ret = f
+            .output
+            .as_ref()
+            .map_or(CType::void(), |t| names.c_type(t, self));
         let params = f.inputs.iter().map(|t| names.c_type(t, self)).collect();
         CType::Function(Box::new(ret), params)
     }
@@ -665,8 +767,16 @@ impl Api {
         let CType::Function(ret, params) = self.c_fn_type(f) else {
             unreachable!("c_fn_type returns a function type")
         };
-        let params: Vec<String> = params.iter().zip(&f.params).map(|(t, n)| t.declare(&n.to_string())).collect();
-        let params = if params.is_empty() { "void".to_string() } else { params.join(", ") };
+        let params: Vec<String> = params
+            .iter()
+            .zip(&f.params)
+            .map(|(t, n)| t.declare(&n.to_string()))
+            .collect();
+        let params = if params.is_empty() {
+            "void".to_string()
+        } else {
+            params.join(", ")
+        };
         ret.declare(&format!("{}({params})", f.name))
     }
 
@@ -707,9 +817,15 @@ impl Names<'_> {
             Type::Tuple(t) if t.elems.is_empty() => Ok(ty.clone()),
             Type::BareFn(f) => {
                 let mut f = f.clone();
-                let c_abi = f.abi.as_ref().is_some_and(|a| a.name.as_ref().is_none_or(|n| n.value() == "C"));
+                let c_abi = f
+                    .abi
+                    .as_ref()
+                    .is_some_and(|a| a.name.as_ref().is_none_or(|n| n.value() == "C"));
                 if !c_abi {
-                    return Err(format!("`{}` is not an `extern \"C\"` function pointer", pretty(ty)));
+                    return Err(format!(
+                        "`{}` is not an `extern \"C\"` function pointer",
+                        pretty(ty)
+                    ));
                 }
                 for input in &mut f.inputs {
                     input.ty = self.rust_type(&input.ty)?;
@@ -720,15 +836,26 @@ impl Names<'_> {
                 Ok(Type::BareFn(f))
             }
             Type::Path(p) if p.qself.is_none() => {
-                let segments: Vec<String> = p.path.segments.iter().map(|s| s.ident.to_string()).collect();
+                let segments: Vec<String> = p
+                    .path
+                    .segments
+                    .iter()
+                    .map(|s| s.ident.to_string())
+                    .collect();
                 let last = p.path.segments.last().expect("a path has a segment");
                 let name = segments.last().expect("a path has a segment").as_str();
-                let module: Vec<&str> = segments[..segments.len() - 1].iter().map(String::as_str).collect();
+                let module: Vec<&str> = segments[..segments.len() - 1]
+                    .iter()
+                    .map(String::as_str)
+                    .collect();
                 let plain = last.arguments.is_none();
                 if plain && segments.len() == 1 && PRIMITIVES.iter().any(|(r, _)| *r == name) {
                     return Ok(ty.clone());
                 }
-                if plain && C_TYPES.iter().any(|(r, _)| *r == name) && (module.is_empty() || C_TYPE_MODULES.contains(&module.as_slice())) {
+                if plain
+                    && C_TYPES.iter().any(|(r, _)| *r == name)
+                    && (module.is_empty() || C_TYPE_MODULES.contains(&module.as_slice()))
+                {
                     let ident = format_ident!("{}", name);
                     return Ok(syn::parse_quote!(#ident));
                 }
@@ -737,11 +864,15 @@ impl Names<'_> {
                     let ident = format_ident!("{}", name);
                     return Ok(syn::parse_quote!(#ident));
                 }
-                let option = matches!(module.as_slice(), [] | ["std", "option"] | ["core", "option"]) && name == "Option";
+                let option = matches!(
+                    module.as_slice(),
+                    [] | ["std", "option"] | ["core", "option"]
+                ) && name == "Option";
                 if option {
                     if let syn::PathArguments::AngleBracketed(args) = &last.arguments {
-                        if let [syn::GenericArgument::Type(inner @ (Type::BareFn(_) | Type::Reference(_)))] =
-                            args.args.iter().collect::<Vec<_>>().as_slice()
+                        if let [syn::GenericArgument::Type(
+                            inner @ (Type::BareFn(_) | Type::Reference(_)),
+                        )] = args.args.iter().collect::<Vec<_>>().as_slice()
                         {
                             let inner = self.rust_type(inner)?;
                             return Ok(syn::parse_quote!(Option<#inner>));
@@ -753,7 +884,10 @@ impl Names<'_> {
                     pretty(ty)
                 ))
             }
-            _ => Err(format!("`{}` has no C equivalent the generator knows", pretty(ty))),
+            _ => Err(format!(
+                "`{}` has no C equivalent the generator knows",
+                pretty(ty)
+            )),
         }
     }
 
@@ -762,23 +896,39 @@ impl Names<'_> {
         match len {
             Expr::Lit(_) => Ok(len.clone()),
             Expr::Path(p) if p.qself.is_none() => {
-                let name = p.path.segments.last().expect("a path has a segment").ident.to_string();
+                let name = p
+                    .path
+                    .segments
+                    .last()
+                    .expect("a path has a segment")
+                    .ident
+                    .to_string();
                 if self.consts.contains(&name) {
                     let ident = format_ident!("{}", name);
                     Ok(syn::parse_quote!(#ident))
                 } else {
-                    Err(format!("array length `{}` is not a constant of src/capi/", pretty(len)))
+                    Err(format!(
+                        "array length `{}` is not a constant of src/capi/",
+                        pretty(len)
+                    ))
                 }
             }
-            _ => Err(format!("array length `{}` is neither a literal nor a constant", pretty(len))),
+            _ => Err(format!(
+                "array length `{}` is neither a literal nor a constant",
+                pretty(len)
+            )),
         }
     }
 
     /// The C type of a normalized Rust type.
     fn c_type(&self, ty: &Type, api: &Api) -> CType {
         match ty {
-            Type::Ptr(p) => CType::Pointer(Box::new(self.c_type(&p.elem, api)), p.mutability.is_none()),
-            Type::Reference(r) => CType::Pointer(Box::new(self.c_type(&r.elem, api)), r.mutability.is_none()),
+            Type::Ptr(p) => {
+                CType::Pointer(Box::new(self.c_type(&p.elem, api)), p.mutability.is_none())
+            }
+            Type::Reference(r) => {
+                CType::Pointer(Box::new(self.c_type(&r.elem, api)), r.mutability.is_none())
+            }
             Type::Array(a) => CType::Array(Box::new(self.c_type(&a.elem, api)), pretty(&a.len)),
             Type::Tuple(_) => CType::void(),
             Type::BareFn(f) => {
@@ -804,7 +954,13 @@ impl Names<'_> {
                     .chain(C_TYPES)
                     .find(|(r, _)| *r == name)
                     .map(|(_, c)| c.to_string())
-                    .unwrap_or_else(|| if api.is_struct(&name) { format!("struct {name}") } else { name });
+                    .unwrap_or_else(|| {
+                        if api.is_struct(&name) {
+                            format!("struct {name}")
+                        } else {
+                            name
+                        }
+                    });
                 CType::Named(c)
             }
             _ => unreachable!("normalized types are paths, pointers, arrays, unit or fn pointers"),
@@ -844,17 +1000,33 @@ impl CType {
                 }
             }
             CType::Pointer(to, to_const) => {
-                let star = if konst { format!("*const {inner}") } else { format!("*{inner}") };
+                let star = if konst {
+                    format!("*const {inner}")
+                } else {
+                    format!("*{inner}")
+                };
                 to.declare_inner(star.trim_end().to_string(), *to_const)
             }
             CType::Array(of, len) => {
-                let inner = if inner.starts_with('*') { format!("({inner})") } else { inner };
+                let inner = if inner.starts_with('*') {
+                    format!("({inner})")
+                } else {
+                    inner
+                };
                 of.declare_inner(format!("{inner}[{len}]"), konst)
             }
             CType::Function(ret, params) => {
-                let inner = if inner.starts_with('*') { format!("({inner})") } else { inner };
+                let inner = if inner.starts_with('*') {
+                    format!("({inner})")
+                } else {
+                    inner
+                };
                 let params: Vec<String> = params.iter().map(|p| p.declare("")).collect();
-                let params = if params.is_empty() { "void".to_string() } else { params.join(", ") };
+                let params = if params.is_empty() {
+                    "void".to_string()
+                } else {
+                    params.join(", ")
+                };
                 ret.declare_inner(format!("{inner}({params})"), false)
             }
         }
@@ -878,7 +1050,8 @@ fn module_path(relative: &Path) -> Vec<String> {
 }
 
 fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
-    let entries = std::fs::read_dir(dir).unwrap_or_else(|e| panic!("cannot read {}: {e}", dir.display()));
+    let entries =
+        std::fs::read_dir(dir).unwrap_or_else(|e| panic!("cannot read {}: {e}", dir.display()));
     for entry in entries {
         let path = entry.expect("directory entry").path();
         if path.is_dir() {

@@ -34,7 +34,9 @@ fn header_code(text: &str) -> String {
     let mut rest = text;
     while let Some(start) = rest.find("/*") {
         code.push_str(&rest[..start]);
-        rest = rest[start + 2..].split_once("*/").map_or("", |(_, after)| after);
+        rest = rest[start + 2..]
+            .split_once("*/")
+            .map_or("", |(_, after)| after);
     }
     code.push_str(rest);
     let mut lines = Vec::new();
@@ -106,7 +108,12 @@ fn header_names(text: &str) -> BTreeSet<String> {
                     names.insert(name.to_string());
                 } else if let Some((before, _)) = s.split_once('(') {
                     // A function: the name is the last word before the parameter list.
-                    names.insert(identifiers(before).last().expect("a function has a name").to_string());
+                    names.insert(
+                        identifiers(before)
+                            .last()
+                            .expect("a function has a name")
+                            .to_string(),
+                    );
                 } else if s.trim().starts_with("struct") {
                     names.insert(words[1].to_string());
                 }
@@ -131,14 +138,21 @@ fn every_exported_function_has_the_prototype_its_rust_signature_implies() {
             )
         })
         .collect();
-    assert!(wrong.is_empty(), "the header and the Rust definitions disagree:\n{}", wrong.join("\n"));
+    assert!(
+        wrong.is_empty(),
+        "the header and the Rust definitions disagree:\n{}",
+        wrong.join("\n")
+    );
 }
 
 #[test]
 fn the_generator_finds_the_pluggable_allocator_functions() {
     // The names PyTorch loads: if these are missing, the generator is reading the wrong files.
     for name in ["tensoralloc_malloc", "tensoralloc_free"] {
-        assert!(FUNCTIONS.iter().any(|f| f.name == name), "{name} not found in src/capi/");
+        assert!(
+            FUNCTIONS.iter().any(|f| f.name == name),
+            "{name} not found in src/capi/"
+        );
     }
 }
 
