@@ -1,5 +1,10 @@
 //! Generates tensoralloc's ABI check from the C boundary's own sources.
 //!
+//! The header is generated here as tensoralloc's build script generates
+//! `include/tensoralloc.h` (cbindgen, `cbindgen.toml`), so that it matches the sources being
+//! checked even when cargo runs that script later; a test checks that the committed header is
+//! the same file.
+//!
 //! Every file under `src/capi/` is parsed with `syn`. What it exports to C (each
 //! `#[no_mangle] pub extern "C" fn`, `pub struct`, `pub type` and `pub const`) is written out
 //! into `OUT_DIR` three ways:
@@ -30,14 +35,15 @@ fn main() {
         PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
     let root = manifest.join("../..");
     let capi_dir = root.join("src/capi");
-    let include_dir = root.join("include");
     let out = PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
-    println!("cargo:rerun-if-changed={}", capi_dir.display());
-    println!(
-        "cargo:rerun-if-changed={}",
-        include_dir.join("tensoralloc.h").display()
-    );
+    // cbindgen reads the whole crate: a `pub` item anywhere can reach the header.
+    for input in ["src", "cbindgen.toml", "Cargo.toml"] {
+        println!("cargo:rerun-if-changed={}", root.join(input).display());
+    }
 
+    let include_dir = out.join("include");
+    write_header(&root, &include_dir.join("tensoralloc.h"));
+    let api = Api::collect(&root, &capi_dir);
     let api = Api::collect(&root, &capi_dir);
     write(&out.join("ctest_input.rs"), &api.ctest_input());
     write(&out.join("capi.rs"), &api.test_items());
@@ -68,6 +74,22 @@ fn main() {
     if let Err(e) = ctest::generate_test(&mut cfg, out.join("ctest_input.rs"), "all.rs") {
         panic!("ctest could not generate the ABI test: {e}");
     }
+}
+
+/// Writes the header exactly as tensoralloc's own build script does (same cbindgen, same
+/// configuration). Cargo may run that script after this one, so `include/tensoralloc.h` can
+/// still be the previous version here; `tests/prototypes.rs` checks that it is this one.
+fn write_header(root: &Path, path: &Path) {
+    let config = cbindgen::Config::from_file(root.join("cbindgen.toml"))
+        .unwrap_or_else(|e| panic!("cannot read cbindgen.toml: {e}"));
+    let header = cbindgen::Builder::new()
+        .with_crate(root)
+        .with_config(config)
+        .generate()
+        .unwrap_or_else(|e| panic!("cbindgen cannot generate the header: {e}"));
+    std::fs::create_dir_all(path.parent().expect("the header has a directory"))
+        .unwrap_or_else(|e| panic!("cannot create {}: {e}", path.display()));
+    header.write_to_file(path);
 }
 
 fn write(path: &Path, text: &str) {

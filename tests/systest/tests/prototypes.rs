@@ -1,6 +1,7 @@
 //! The header's function prototypes and names against `src/capi/`: every exported function
 //! is declared with the prototype its Rust signature implies, the header declares nothing that
-//! `src/capi/` does not export, and every exported item is one the generator can check.
+//! `src/capi/` does not export, every exported item is one the generator can check, and
+//! `include/tensoralloc.h` is the header all these checks compiled.
 //!
 //! The tables come from `build.rs`, which reads `src/capi/`; each `compatible` function is C,
 //! compiled against the header, and answers with `__builtin_types_compatible_p`.
@@ -22,7 +23,11 @@ struct Function {
 
 include!(concat!(env!("OUT_DIR"), "/prototypes.rs"));
 
-fn header() -> String {
+/// The header the ABI check compiled: cbindgen's output for the sources under test.
+const CHECKED_HEADER: &str = include_str!(concat!(env!("OUT_DIR"), "/include/tensoralloc.h"));
+
+/// The header users compile against.
+fn committed_header() -> String {
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../include/tensoralloc.h");
     std::fs::read_to_string(path).unwrap_or_else(|e| panic!("cannot read {path}: {e}"))
 }
@@ -146,6 +151,15 @@ fn every_exported_function_has_the_prototype_its_rust_signature_implies() {
 }
 
 #[test]
+fn the_committed_header_is_the_one_the_abi_check_compiled() {
+    assert!(
+        committed_header() == CHECKED_HEADER,
+        "include/tensoralloc.h is not what cbindgen generates from the sources, which is what \
+         the ABI check compiled: a `cargo build` regenerates it"
+    );
+}
+
+#[test]
 fn the_generator_finds_the_pluggable_allocator_functions() {
     // The names PyTorch loads: if these are missing, the generator is reading the wrong files.
     for name in ["tensoralloc_malloc", "tensoralloc_free"] {
@@ -164,7 +178,7 @@ fn the_header_declares_only_what_src_capi_exports() {
         .chain(TYPES.iter().copied())
         .chain(CONSTANTS.iter().copied())
         .collect();
-    let extra: Vec<String> = header_names(&header())
+    let extra: Vec<String> = header_names(CHECKED_HEADER)
         .into_iter()
         .filter(|n| !exported.contains(n.as_str()))
         .collect();
