@@ -44,7 +44,6 @@ fn main() {
     let include_dir = out.join("include");
     write_header(&root, &include_dir.join("tensoralloc.h"));
     let api = Api::collect(&root, &capi_dir);
-    let api = Api::collect(&root, &capi_dir);
     write(&out.join("ctest_input.rs"), &api.ctest_input());
     write(&out.join("capi.rs"), &api.test_items());
     write(&out.join("prototypes.rs"), &api.prototypes_rs());
