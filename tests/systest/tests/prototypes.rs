@@ -65,69 +65,92 @@ fn identifiers(text: &str) -> Vec<&str> {
         .collect()
 }
 
-/// Every name the header declares at file scope: macros, typedefs, struct tags and functions.
-fn header_names(text: &str) -> BTreeSet<String> {
+/// The header's macro names (without the include guard) and its file-scope declarations,
+/// each on one line without the final `;` and with struct bodies left out.
+fn header_items(text: &str) -> (Vec<String>, Vec<String>) {
     let code = header_code(text);
-    let mut names = BTreeSet::new();
     let guard = code
         .lines()
         .find_map(|l| l.strip_prefix("#ifndef "))
         .map(str::trim)
         .unwrap_or_default();
+    let mut macros = Vec::new();
     let mut declarations = String::new();
     for line in code.lines() {
         if let Some(define) = line.strip_prefix("#define ") {
             let name = identifiers(define)[0];
             if name != guard {
-                names.insert(name.to_string());
+                macros.push(name.to_string());
             }
         } else if !line.starts_with('#') {
             declarations.push_str(line);
             declarations.push(' ');
         }
     }
-    // Top-level declarations end with `;` outside braces; struct bodies are skipped.
+    // File-scope declarations end with `;` outside braces.
+    let mut statements = Vec::new();
     let mut depth = 0;
     let mut statement = String::new();
     for c in declarations.chars() {
         match c {
             '{' => {
                 if depth == 0 {
-                    statement.push_str(" { ");
+                    statement.push_str(" { } ");
                 }
                 depth += 1;
             }
             '}' => depth -= 1,
             ';' if depth == 0 => {
                 let s = std::mem::take(&mut statement);
-                let words = identifiers(&s);
-                if let Some(rest) = s.trim().strip_prefix("typedef") {
-                    // `typedef struct tag { } name;`, `typedef int name;`, `typedef void (*name)(...)`
-                    if let Some(tag) = rest.trim().strip_prefix("struct").map(identifiers) {
-                        names.insert(tag[0].to_string());
-                    }
-                    let name = match rest.split_once("(*") {
-                        Some((_, after)) => identifiers(after)[0],
-                        None => words[words.len() - 1],
-                    };
-                    names.insert(name.to_string());
-                } else if let Some((before, _)) = s.split_once('(') {
-                    // A function: the name is the last word before the parameter list.
-                    names.insert(
-                        identifiers(before)
-                            .last()
-                            .expect("a function has a name")
-                            .to_string(),
-                    );
-                } else if s.trim().starts_with("struct") {
-                    names.insert(words[1].to_string());
-                }
+                statements.push(s.split_whitespace().collect::<Vec<_>>().join(" "));
             }
             _ if depth == 0 => statement.push(c),
             _ => {}
         }
     }
+    (macros, statements)
+}
+
+/// The function a declaration declares: the last word before the parameter list.
+fn function_name(statement: &str) -> Option<&str> {
+    if statement.starts_with("typedef") {
+        return None;
+    }
+    let (before, _) = statement.split_once('(')?;
+    identifiers(before).last().copied()
+}
+
+/// Every name the header declares at file scope: macros, typedefs, struct tags and functions.
+fn header_names(text: &str) -> BTreeSet<String> {
+    let (macros, statements) = header_items(text);
+    let mut names: BTreeSet<String> = macros.into_iter().collect();
+    for s in &statements {
+        let words = identifiers(s);
+        if let Some(rest) = s.strip_prefix("typedef") {
+            // `typedef struct tag { } name`, `typedef int name`, `typedef void (*name)(...)`
+            if let Some(tag) = rest.trim().strip_prefix("struct").map(identifiers) {
+                names.insert(tag[0].to_string());
+            }
+            let name = match rest.split_once("(*") {
+                Some((_, after)) => identifiers(after)[0],
+                None => words[words.len() - 1],
+            };
+            names.insert(name.to_string());
+        } else if let Some(name) = function_name(s) {
+            names.insert(name.to_string());
+        } else if s.starts_with("struct") {
+            names.insert(words[1].to_string());
+        }
+    }
     names
+}
+
+/// The header's declaration of function `name`.
+fn declaration_of(text: &str, name: &str) -> Option<String> {
+    header_items(text)
+        .1
+        .into_iter()
+        .find(|s| function_name(s) == Some(name))
 }
 
 #[test]
@@ -137,9 +160,14 @@ fn every_exported_function_has_the_prototype_its_rust_signature_implies() {
         // SAFETY: the probes are generated C functions with no arguments and no side effects.
         .filter(|f| unsafe { (f.compatible)() } == 0)
         .map(|f| {
+            let declared = declaration_of(CHECKED_HEADER, f.name);
             format!(
-                "`{}` ({}): `{}` is in C\n    {};\nbut include/tensoralloc.h declares another prototype",
-                f.name, f.file, f.rust, f.c
+                "`{}` ({}): `{}` is in C\n    {};\nbut the header declares\n    {};",
+                f.name,
+                f.file,
+                f.rust,
+                f.c,
+                declared.as_deref().unwrap_or("(no declaration found)")
             )
         })
         .collect();
@@ -199,11 +227,15 @@ fn every_item_src_capi_exports_is_checked() {
 }
 
 #[test]
-fn header_names_finds_macros_typedefs_structs_and_functions() {
+fn the_header_reader_finds_macros_typedefs_structs_and_functions() {
     let text = "#ifndef G\n#define G\n/* c */\n#define A 1\ntypedef struct S S;\n\
                 typedef struct T {\n  int x;\n} T;\ntypedef int U;\ntypedef void (*F)(int);\n\
                 #ifdef __cplusplus\nextern \"C\" {\n#endif\nconst char *f(void);\n\
                 void *g(size_t n,\n        int d);\n#ifdef __cplusplus\n}\n#endif\n#endif\n";
     let names: Vec<String> = header_names(text).into_iter().collect();
     assert_eq!(names, ["A", "F", "S", "T", "U", "f", "g"]);
+    assert_eq!(
+        declaration_of(text, "g").as_deref(),
+        Some("void *g(size_t n, int d)")
+    );
 }
