@@ -10,7 +10,7 @@
 //! into `OUT_DIR` three ways:
 //! - `ctest_input.rs`: a standalone copy of those items. ctest expands it with rustc to learn
 //!   them and writes `all.rs` + `all.c`: sizes, alignments, field offsets, sizes and C types,
-//!   constant values, signedness and function addresses, compared with `include/tensoralloc.h`.
+//!   constant values, signedness and function addresses, compared with the header.
 //! - `capi.rs`: what the test crate checks: the real items re-exported from `tensoralloc`, the
 //!   functions declared in an `extern "C"` block with their own signatures, and compile-time
 //!   proofs that every declaration, alias, constant and field has the real item's exact type.
@@ -22,10 +22,13 @@
 //! Items the generator cannot express are left out and named in `UNSUPPORTED`, which a test
 //! requires to be empty.
 
+mod cdecl;
+
 use std::collections::BTreeSet;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
+use cdecl::CType;
 use proc_macro2::TokenStream;
 use quote::{format_ident, quote, ToTokens};
 use syn::{Attribute, Expr, Fields, FnArg, Item, Pat, ReturnType, Type, Visibility};
@@ -985,71 +988,6 @@ impl Names<'_> {
                 CType::Named(c)
             }
             _ => unreachable!("normalized types are paths, pointers, arrays, unit or fn pointers"),
-        }
-    }
-}
-
-/// A C type, for writing declarations.
-enum CType {
-    /// A named type: `int`, `struct tensoralloc_stat`, `tensoralloc_status`.
-    Named(String),
-    /// A pointer; `true` = to const.
-    Pointer(Box<CType>, bool),
-    Array(Box<CType>, String),
-    Function(Box<CType>, Vec<CType>),
-}
-
-impl CType {
-    fn void() -> CType {
-        CType::Named("void".into())
-    }
-
-    /// A declaration of `name` with this type (`name` empty: an abstract type name).
-    fn declare(&self, name: &str) -> String {
-        self.declare_inner(name.to_string(), false)
-    }
-
-    /// Builds the declarator inside out; `konst`: this type itself is const-qualified.
-    fn declare_inner(&self, inner: String, konst: bool) -> String {
-        match self {
-            CType::Named(n) => {
-                let q = if konst { "const " } else { "" };
-                if inner.is_empty() {
-                    format!("{q}{n}")
-                } else {
-                    format!("{q}{n} {inner}")
-                }
-            }
-            CType::Pointer(to, to_const) => {
-                let star = if konst {
-                    format!("*const {inner}")
-                } else {
-                    format!("*{inner}")
-                };
-                to.declare_inner(star.trim_end().to_string(), *to_const)
-            }
-            CType::Array(of, len) => {
-                let inner = if inner.starts_with('*') {
-                    format!("({inner})")
-                } else {
-                    inner
-                };
-                of.declare_inner(format!("{inner}[{len}]"), konst)
-            }
-            CType::Function(ret, params) => {
-                let inner = if inner.starts_with('*') {
-                    format!("({inner})")
-                } else {
-                    inner
-                };
-                let params: Vec<String> = params.iter().map(|p| p.declare("")).collect();
-                let params = if params.is_empty() {
-                    "void".to_string()
-                } else {
-                    params.join(", ")
-                };
-                ret.declare_inner(format!("{inner}({params})"), false)
-            }
         }
     }
 }
