@@ -330,9 +330,10 @@ impl Api {
                         self.unsupported
                             .push(format!("{}: `{name}` uses #[export_name]", src.file));
                     } else if !is_pub(&f.vis) {
-                        // Exported from libtensoralloc.so all the same, but not in the header.
+                        // The test crate cannot name it to check its type.
                         self.unsupported.push(format!(
-                            "{}: exported function `{name}` is not `pub`",
+                            "{}: exported function `{name}` is not `pub` (cbindgen declares it and \
+                             libtensoralloc.so exports it all the same; make it `pub`)",
                             src.file
                         ));
                     } else if f.sig.abi.is_none() || !matches!(abi.as_deref(), None | Some("C")) {
