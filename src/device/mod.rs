@@ -66,7 +66,7 @@ struct Sink<'a> {
 }
 
 impl StatSink for Sink<'_> {
-    #[inline]
+    #[inline(always)]
     fn change(&mut self, index: usize, delta: i64) {
         let alloc = self.alloc;
         alloc
@@ -486,7 +486,7 @@ impl DeviceAllocator {
                 let c = &shard.stats.cells[i];
                 s.current += c.current.load(Relaxed);
                 s.allocated += c.allocated.load(Relaxed);
-                s.freed += c.freed.load(Relaxed);
+                s.freed += c.freed();
             }
             s.peak = self.counters.peak[i].load(Relaxed).max(s.current);
             out.set(i, s);
@@ -530,8 +530,7 @@ impl DeviceAllocator {
         let _guards: Vec<_> = shards.iter().map(|s| s.inner.lock()).collect();
         for s in &shards {
             for c in &s.stats.cells {
-                c.allocated.store(0, Relaxed);
-                c.freed.store(0, Relaxed);
+                c.reset_accumulated();
             }
         }
         let c = &self.counters;

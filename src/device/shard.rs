@@ -76,6 +76,7 @@ impl Hasher for AddrHasher {
 pub(crate) trait StatSink {
     fn change(&mut self, index: usize, delta: i64);
 
+    #[inline(always)]
     fn both(&mut self, kind: StatKind, pool: PoolKind, delta: i64) {
         self.change(aggregate(kind), delta);
         self.change(of_pool(kind, pool), delta);
