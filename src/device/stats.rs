@@ -155,7 +155,9 @@ pub(crate) struct ShardStats {
 
 impl Default for ShardStats {
     fn default() -> Self {
-        ShardStats { cells: std::array::from_fn(|_| Cell::default()) }
+        ShardStats {
+            cells: std::array::from_fn(|_| Cell::default()),
+        }
     }
 }
 
@@ -192,12 +194,19 @@ impl DeviceCounters {
     /// `total` sums the current value of `index` over all shards (called only when the device
     /// peak may have been passed).
     #[inline(always)]
-    pub fn change(&self, shard: &ShardStats, index: usize, delta: i64, total: impl Fn(usize) -> i64) {
+    pub fn change(
+        &self,
+        shard: &ShardStats,
+        index: usize,
+        delta: i64,
+        total: impl Fn(usize) -> i64,
+    ) {
         let cell = &shard.cells[index];
         let current = cell.current.load(Relaxed) + delta;
         cell.current.store(current, Relaxed);
         if delta > 0 {
-            cell.allocated.store(cell.allocated.load(Relaxed) + delta, Relaxed);
+            cell.allocated
+                .store(cell.allocated.load(Relaxed) + delta, Relaxed);
             self.track_peak(cell, index, current, total);
         }
     }
