@@ -14,6 +14,7 @@
 //! statistics, so threads working on different streams do not contend.
 
 mod events;
+mod free_index;
 pub mod shard;
 pub mod size;
 pub mod stats;
