@@ -98,7 +98,7 @@ mod tests {
                 (x >> 8) as usize % 4096 * 512,
                 step,
             );
-            if grow || model.is_empty() || x % 3 == 0 {
+            if grow || model.is_empty() || x.is_multiple_of(3) {
                 index.insert(key);
                 model.insert(key);
             } else {
