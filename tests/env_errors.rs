@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::sync::OnceLock;
 
-use support::{cc, lib_dir, root, run};
+use support::{lib_dir, run};
 
 const PROBE: &str = r#"
 #include <stdio.h>
@@ -34,17 +34,7 @@ fn probe() -> &'static PathBuf {
         std::fs::write(&src, PROBE).unwrap();
         let exe = dir.join("probe");
         run(
-            Command::new(cc())
-                .arg("-std=c99")
-                .arg("-I")
-                .arg(root().join("include"))
-                .arg(&src)
-                .arg("-o")
-                .arg(&exe)
-                .arg("-L")
-                .arg(&lib)
-                .arg("-ltensoralloc")
-                .arg(format!("-Wl,-rpath,{}", lib.display())),
+            &mut support::compile_c(&src, &exe, &lib),
             "compiling the probe",
         );
         exe

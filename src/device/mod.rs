@@ -24,7 +24,7 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::Arc;
 
-use parking_lot::{Mutex, RwLock};
+use parking_lot::{Mutex, MutexGuard, RwLock};
 
 use crate::config::Config;
 use crate::driver::{Driver, Event, Stream};
@@ -154,51 +154,49 @@ impl DeviceAllocator {
             if !inner.pending.is_empty() {
                 self.process_events(shard, &mut inner);
             }
-            if let Some(id) = inner.take_best_fit(pool, rounded, self.max_split_size) {
-                return Ok(inner.allocate(
-                    id,
-                    rounded,
-                    size,
-                    self.max_split_size,
-                    &mut self.sink(shard),
-                ));
-            }
-            let seg = segment_size(rounded);
-            if self.gc_threshold > 0.0 {
-                self.collect_garbage(shard, &mut inner, seg);
-            }
-            match self.driver.mem_alloc(self.device, seg) {
-                Ok(addr) => {
-                    DeviceCounters::bump(&self.counters.num_device_alloc);
-                    self.segments.write().insert(addr, (seg, shard.index));
-                    let id = inner.add_segment(
-                        addr,
-                        seg,
-                        pool,
-                        self.max_split_size,
-                        &mut self.sink(shard),
-                    );
-                    return Ok(inner.allocate(
-                        id,
-                        rounded,
-                        size,
-                        self.max_split_size,
-                        &mut self.sink(shard),
-                    ));
+            let found = inner.take_best_fit(pool, rounded, self.max_split_size);
+            let id = match found {
+                Some(id) => id,
+                None => {
+                    let seg = segment_size(rounded);
+                    if self.gc_threshold > 0.0 {
+                        self.collect_garbage(shard, &mut inner, seg);
+                    }
+                    match self.driver.mem_alloc(self.device, seg) {
+                        Ok(addr) => {
+                            DeviceCounters::bump(&self.counters.num_device_alloc);
+                            self.segments.write().insert(addr, (seg, shard.index));
+                            inner.add_segment(
+                                addr,
+                                seg,
+                                pool,
+                                self.max_split_size,
+                                &mut self.sink(shard),
+                            )
+                        }
+                        Err(Error::OutOfMemory(_)) if !retried => {
+                            drop(inner);
+                            DeviceCounters::bump(&self.counters.num_alloc_retries);
+                            self.release_cached()?;
+                            retried = true;
+                            continue;
+                        }
+                        Err(Error::OutOfMemory(_)) => {
+                            drop(inner);
+                            DeviceCounters::bump(&self.counters.num_ooms);
+                            return Err(self.out_of_memory(size));
+                        }
+                        Err(e) => return Err(e),
+                    }
                 }
-                Err(Error::OutOfMemory(_)) if !retried => {
-                    drop(inner);
-                    DeviceCounters::bump(&self.counters.num_alloc_retries);
-                    self.release_cached()?;
-                    retried = true;
-                }
-                Err(Error::OutOfMemory(_)) => {
-                    drop(inner);
-                    DeviceCounters::bump(&self.counters.num_ooms);
-                    return Err(self.out_of_memory(size));
-                }
-                Err(e) => return Err(e),
-            }
+            };
+            return Ok(inner.allocate(
+                id,
+                rounded,
+                size,
+                self.max_split_size,
+                &mut self.sink(shard),
+            ));
         }
     }
 
@@ -244,22 +242,10 @@ impl DeviceAllocator {
         if ptr == 0 {
             return Ok(true);
         }
-        let mut found = None;
-        if let Some(shard) = stream_hint.and_then(|s| self.shards.get(s)) {
-            let mut inner = shard.inner.lock();
-            if let Some(id) = inner.unallocate(ptr, self.max_split_size, &mut self.sink(shard)) {
-                found = Some((shard, inner, id));
-            }
-        }
-        if found.is_none() {
-            if let Some(shard) = self.owner_of(ptr) {
-                let mut inner = shard.inner.lock();
-                if let Some(id) = inner.unallocate(ptr, self.max_split_size, &mut self.sink(shard))
-                {
-                    found = Some((shard, inner, id));
-                }
-            }
-        }
+        let found = stream_hint
+            .and_then(|s| self.shards.get(s))
+            .and_then(|shard| self.unallocate_in(shard, ptr))
+            .or_else(|| self.unallocate_in(self.owner_of(ptr)?, ptr));
         let Some((shard, inner, id)) = found else {
             return Ok(false);
         };
@@ -267,10 +253,21 @@ impl DeviceAllocator {
         Ok(true)
     }
 
+    /// Takes the allocation at `ptr` back from `shard`'s client, if `shard` has it allocated.
+    fn unallocate_in<'a>(
+        &'a self,
+        shard: &'a Shard,
+        ptr: usize,
+    ) -> Option<(&'a Shard, MutexGuard<'a, ShardInner>, u32)> {
+        let mut inner = shard.inner.lock();
+        let id = inner.unallocate(ptr, self.max_split_size, &mut self.sink(shard))?;
+        Some((shard, inner, id))
+    }
+
     fn finish_free(
         &self,
         shard: &Shard,
-        mut inner: parking_lot::MutexGuard<'_, ShardInner>,
+        mut inner: MutexGuard<'_, ShardInner>,
         id: u32,
     ) -> Result<()> {
         let uses = std::mem::take(&mut inner.block_mut(id).stream_uses);
