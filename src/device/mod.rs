@@ -26,12 +26,12 @@ use std::sync::Arc;
 
 use parking_lot::{Mutex, MutexGuard, RwLock};
 
-use crate::config::Config;
+use crate::config::{roundup_interval, Config, ROUNDUP_INTERVALS};
 use crate::driver::{Driver, Event, Stream};
 use crate::error::{Error, Result};
 use events::EventPool;
 use shard::{ShardInner, StatSink, State};
-use size::{format_bytes, round_size, segment_size, PoolKind, MAX_REQUEST};
+use size::{format_bytes, round_size_with, segment_size, PoolKind, MAX_REQUEST};
 use stats::{DeviceCounters, DeviceStats, ShardStats, Stat, StatKind, TRACKED};
 use table::ShardTable;
 
@@ -52,6 +52,7 @@ pub struct DeviceAllocator {
     driver: Arc<dyn Driver>,
     max_split_size: usize,
     gc_threshold: f64,
+    roundup_divisions: [usize; ROUNDUP_INTERVALS],
     shards: ShardTable<Shard>,
     /// Every segment of the device: start -> (size, shard index). Used to find the owner of a
     /// pointer when the caller's stream hint is missing or wrong.
@@ -93,6 +94,7 @@ impl DeviceAllocator {
             driver,
             max_split_size: config.max_split_size,
             gc_threshold: config.garbage_collection_threshold,
+            roundup_divisions: config.roundup_power2_divisions,
             shards: ShardTable::new(),
             segments: RwLock::new(BTreeMap::new()),
             events: EventPool::new(device),
@@ -145,7 +147,7 @@ impl DeviceAllocator {
                 )
             }));
         }
-        let rounded = round_size(size);
+        let rounded = round_size_with(size, self.roundup_divisions[roundup_interval(size)]);
         let pool = PoolKind::for_size(rounded);
         let shard = self.shard(stream)?;
         let mut retried = false;
