@@ -6,7 +6,7 @@ mod support;
 
 use std::process::Command;
 
-use support::{cc, lib_dir, root, run, with_driver};
+use support::{lib_dir, root, run, with_driver};
 
 #[test]
 fn every_c_example_compiles_and_passes() {
@@ -27,17 +27,8 @@ fn every_c_example_compiles_and_passes() {
     for src in &sources {
         let name = src.file_stem().unwrap().to_string_lossy().to_string();
         let exe = out_dir.join(&name);
-        let compiled = Command::new(cc())
-            .args(["-std=c99", "-Wall", "-Wextra", "-Werror", "-O1"])
-            .arg("-I")
-            .arg(root().join("include"))
-            .arg(src)
-            .arg("-o")
-            .arg(&exe)
-            .arg("-L")
-            .arg(&lib)
-            .args(["-ltensoralloc", "-lpthread"])
-            .arg(format!("-Wl,-rpath,{}", lib.display()))
+        let compiled = support::compile_c(src, &exe, &lib)
+            .args(["-Wall", "-Wextra", "-Werror", "-O1"])
             .output()
             .unwrap();
         if !compiled.status.success() {
@@ -65,17 +56,9 @@ fn every_c_example_compiles_and_passes() {
 fn the_quickstart_example_prints_statistics() {
     let lib = lib_dir();
     let exe = lib.join("quickstart-demo");
+    let src = root().join("c_examples/quickstart.c");
     run(
-        Command::new(cc())
-            .args(["-std=c99", "-I"])
-            .arg(root().join("include"))
-            .arg(root().join("c_examples/quickstart.c"))
-            .arg("-o")
-            .arg(&exe)
-            .arg("-L")
-            .arg(&lib)
-            .arg("-ltensoralloc")
-            .arg(format!("-Wl,-rpath,{}", lib.display())),
+        &mut support::compile_c(&src, &exe, &lib),
         "compiling the quickstart",
     );
     let text = run(with_driver(&mut Command::new(&exe)), "the quickstart");

@@ -692,3 +692,33 @@ fn the_simulated_driver_reports_out_of_memory_past_capacity() {
     sim.mem_free(0, p).unwrap();
     assert!(sim.mem_alloc(0, 8 * MIB).is_ok());
 }
+
+#[test]
+fn roundup_power2_divisions_round_requests_to_shared_sizes() {
+    let config = Config::parse("roundup_power2_divisions:4").unwrap();
+    let (_sim, a) = alloc_with(64 * MIB, &config);
+    let p = a.malloc(1_300_000, 0).unwrap();
+    let s = stats(&a);
+    assert_eq!(
+        s.allocated_bytes[AGG].current,
+        5 << 18,
+        "1.25 MiB: the next quarter step"
+    );
+    assert_eq!(s.requested_bytes[AGG].current, 1_300_000);
+    a.free(p, Some(0)).unwrap();
+    // A slightly different size lands on the same block.
+    assert_eq!(a.malloc(1_250_000, 0).unwrap(), p);
+}
+
+#[test]
+fn garbage_collection_returns_cached_segments_before_growing_past_the_threshold() {
+    let config = Config::parse("garbage_collection_threshold:0.5").unwrap();
+    let (sim, a) = alloc_with(64 * MIB, &config);
+    let p = a.malloc(20 * MIB, 0).unwrap();
+    a.free(p, Some(0)).unwrap();
+    // 20 MiB cached + 22 MiB new would pass 32 MiB: the cached segment goes back first.
+    let q = a.malloc(22 * MIB, 0).unwrap();
+    assert_eq!(stats(&a).num_device_free, 1);
+    assert_eq!(sim.used(0), 22 * MIB as u64);
+    a.free(q, Some(0)).unwrap();
+}

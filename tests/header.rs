@@ -7,43 +7,36 @@ use std::process::Command;
 
 use support::{cc, root, run};
 
-#[test]
-fn header_compiles_alone_as_c99() {
+fn cxx() -> String {
+    std::env::var("CXX").unwrap_or_else(|_| "c++".to_string())
+}
+
+/// Compiles the header on its own, strictly, as `language` with `standard`.
+fn compile_alone(compiler: String, standard: &str, language: &str) {
     run(
-        Command::new(cc())
+        Command::new(compiler)
             .args([
-                "-std=c99",
+                standard,
                 "-pedantic",
                 "-Wall",
                 "-Wextra",
                 "-Werror",
                 "-fsyntax-only",
-                "-x",
-                "c",
             ])
+            .args(["-x", language])
             .arg(root().join("include/tensoralloc.h")),
-        "compiling the header as C99",
+        &format!("compiling the header alone as {language} ({standard})"),
     );
 }
 
 #[test]
+fn header_compiles_alone_as_c99() {
+    compile_alone(cc(), "-std=c99", "c");
+}
+
+#[test]
 fn header_compiles_alone_as_cpp17() {
-    let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".to_string());
-    run(
-        Command::new(cxx)
-            .args([
-                "-std=c++17",
-                "-pedantic",
-                "-Wall",
-                "-Wextra",
-                "-Werror",
-                "-fsyntax-only",
-                "-x",
-                "c++",
-            ])
-            .arg(root().join("include/tensoralloc.h")),
-        "compiling the header as C++17",
-    );
+    compile_alone(cxx(), "-std=c++17", "c++");
 }
 
 /// Where NVIDIA's CUDA headers are: `$CUDA_INCLUDE_DIR`, else `target/cuda-include`, which

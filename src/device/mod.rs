@@ -14,6 +14,7 @@
 //! statistics, so threads working on different streams do not contend.
 
 mod events;
+mod free_index;
 pub mod shard;
 pub mod size;
 pub mod stats;
@@ -23,14 +24,14 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::Arc;
 
-use parking_lot::{Mutex, RwLock};
+use parking_lot::{Mutex, MutexGuard, RwLock};
 
-use crate::config::Config;
+use crate::config::{roundup_interval, Config, ROUNDUP_INTERVALS};
 use crate::driver::{Driver, Event, Stream};
 use crate::error::{Error, Result};
 use events::EventPool;
 use shard::{ShardInner, StatSink, State};
-use size::{format_bytes, round_size, segment_size, PoolKind, MAX_REQUEST};
+use size::{format_bytes, round_size_with, segment_size, PoolKind, MAX_REQUEST};
 use stats::{DeviceCounters, DeviceStats, ShardStats, Stat, StatKind, TRACKED};
 use table::ShardTable;
 
@@ -51,6 +52,7 @@ pub struct DeviceAllocator {
     driver: Arc<dyn Driver>,
     max_split_size: usize,
     gc_threshold: f64,
+    roundup_divisions: [usize; ROUNDUP_INTERVALS],
     shards: ShardTable<Shard>,
     /// Every segment of the device: start -> (size, shard index). Used to find the owner of a
     /// pointer when the caller's stream hint is missing or wrong.
@@ -66,7 +68,7 @@ struct Sink<'a> {
 }
 
 impl StatSink for Sink<'_> {
-    #[inline]
+    #[inline(always)]
     fn change(&mut self, index: usize, delta: i64) {
         let alloc = self.alloc;
         alloc
@@ -92,6 +94,7 @@ impl DeviceAllocator {
             driver,
             max_split_size: config.max_split_size,
             gc_threshold: config.garbage_collection_threshold,
+            roundup_divisions: config.roundup_power2_divisions,
             shards: ShardTable::new(),
             segments: RwLock::new(BTreeMap::new()),
             events: EventPool::new(device),
@@ -144,7 +147,7 @@ impl DeviceAllocator {
                 )
             }));
         }
-        let rounded = round_size(size);
+        let rounded = round_size_with(size, self.roundup_divisions[roundup_interval(size)]);
         let pool = PoolKind::for_size(rounded);
         let shard = self.shard(stream)?;
         let mut retried = false;
@@ -153,51 +156,49 @@ impl DeviceAllocator {
             if !inner.pending.is_empty() {
                 self.process_events(shard, &mut inner);
             }
-            if let Some(id) = inner.take_best_fit(pool, rounded, self.max_split_size) {
-                return Ok(inner.allocate(
-                    id,
-                    rounded,
-                    size,
-                    self.max_split_size,
-                    &mut self.sink(shard),
-                ));
-            }
-            let seg = segment_size(rounded);
-            if self.gc_threshold > 0.0 {
-                self.collect_garbage(shard, &mut inner, seg);
-            }
-            match self.driver.mem_alloc(self.device, seg) {
-                Ok(addr) => {
-                    DeviceCounters::bump(&self.counters.num_device_alloc);
-                    self.segments.write().insert(addr, (seg, shard.index));
-                    let id = inner.add_segment(
-                        addr,
-                        seg,
-                        pool,
-                        self.max_split_size,
-                        &mut self.sink(shard),
-                    );
-                    return Ok(inner.allocate(
-                        id,
-                        rounded,
-                        size,
-                        self.max_split_size,
-                        &mut self.sink(shard),
-                    ));
+            let found = inner.take_best_fit(pool, rounded, self.max_split_size);
+            let id = match found {
+                Some(id) => id,
+                None => {
+                    let seg = segment_size(rounded);
+                    if self.gc_threshold > 0.0 {
+                        self.collect_garbage(shard, &mut inner, seg);
+                    }
+                    match self.driver.mem_alloc(self.device, seg) {
+                        Ok(addr) => {
+                            DeviceCounters::bump(&self.counters.num_device_alloc);
+                            self.segments.write().insert(addr, (seg, shard.index));
+                            inner.add_segment(
+                                addr,
+                                seg,
+                                pool,
+                                self.max_split_size,
+                                &mut self.sink(shard),
+                            )
+                        }
+                        Err(Error::OutOfMemory(_)) if !retried => {
+                            drop(inner);
+                            DeviceCounters::bump(&self.counters.num_alloc_retries);
+                            self.release_cached()?;
+                            retried = true;
+                            continue;
+                        }
+                        Err(Error::OutOfMemory(_)) => {
+                            drop(inner);
+                            DeviceCounters::bump(&self.counters.num_ooms);
+                            return Err(self.out_of_memory(size));
+                        }
+                        Err(e) => return Err(e),
+                    }
                 }
-                Err(Error::OutOfMemory(_)) if !retried => {
-                    drop(inner);
-                    DeviceCounters::bump(&self.counters.num_alloc_retries);
-                    self.release_cached()?;
-                    retried = true;
-                }
-                Err(Error::OutOfMemory(_)) => {
-                    drop(inner);
-                    DeviceCounters::bump(&self.counters.num_ooms);
-                    return Err(self.out_of_memory(size));
-                }
-                Err(e) => return Err(e),
-            }
+            };
+            return Ok(inner.allocate(
+                id,
+                rounded,
+                size,
+                self.max_split_size,
+                &mut self.sink(shard),
+            ));
         }
     }
 
@@ -243,22 +244,10 @@ impl DeviceAllocator {
         if ptr == 0 {
             return Ok(true);
         }
-        let mut found = None;
-        if let Some(shard) = stream_hint.and_then(|s| self.shards.get(s)) {
-            let mut inner = shard.inner.lock();
-            if let Some(id) = inner.unallocate(ptr, self.max_split_size, &mut self.sink(shard)) {
-                found = Some((shard, inner, id));
-            }
-        }
-        if found.is_none() {
-            if let Some(shard) = self.owner_of(ptr) {
-                let mut inner = shard.inner.lock();
-                if let Some(id) = inner.unallocate(ptr, self.max_split_size, &mut self.sink(shard))
-                {
-                    found = Some((shard, inner, id));
-                }
-            }
-        }
+        let found = stream_hint
+            .and_then(|s| self.shards.get(s))
+            .and_then(|shard| self.unallocate_in(shard, ptr))
+            .or_else(|| self.unallocate_in(self.owner_of(ptr)?, ptr));
         let Some((shard, inner, id)) = found else {
             return Ok(false);
         };
@@ -266,10 +255,21 @@ impl DeviceAllocator {
         Ok(true)
     }
 
+    /// Takes the allocation at `ptr` back from `shard`'s client, if `shard` has it allocated.
+    fn unallocate_in<'a>(
+        &'a self,
+        shard: &'a Shard,
+        ptr: usize,
+    ) -> Option<(&'a Shard, MutexGuard<'a, ShardInner>, u32)> {
+        let mut inner = shard.inner.lock();
+        let id = inner.unallocate(ptr, self.max_split_size, &mut self.sink(shard))?;
+        Some((shard, inner, id))
+    }
+
     fn finish_free(
         &self,
         shard: &Shard,
-        mut inner: parking_lot::MutexGuard<'_, ShardInner>,
+        mut inner: MutexGuard<'_, ShardInner>,
         id: u32,
     ) -> Result<()> {
         let uses = std::mem::take(&mut inner.block_mut(id).stream_uses);
@@ -486,7 +486,7 @@ impl DeviceAllocator {
                 let c = &shard.stats.cells[i];
                 s.current += c.current.load(Relaxed);
                 s.allocated += c.allocated.load(Relaxed);
-                s.freed += c.freed.load(Relaxed);
+                s.freed += c.freed();
             }
             s.peak = self.counters.peak[i].load(Relaxed).max(s.current);
             out.set(i, s);
@@ -530,8 +530,7 @@ impl DeviceAllocator {
         let _guards: Vec<_> = shards.iter().map(|s| s.inner.lock()).collect();
         for s in &shards {
             for c in &s.stats.cells {
-                c.allocated.store(0, Relaxed);
-                c.freed.store(0, Relaxed);
+                c.reset_accumulated();
             }
         }
         let c = &self.counters;

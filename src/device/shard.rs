@@ -11,9 +11,10 @@
 //! - a block is in its pool's free index exactly when its state is [`State::Free`];
 //! - `live` maps the address of every allocated block (state [`State::Allocated`]) to its id.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
+use super::free_index::FreeIndex;
 use super::size::{should_split, PoolKind};
 use super::stats::{aggregate, of_pool, StatKind, OVERSIZE_ALLOCATIONS, OVERSIZE_SEGMENTS};
 use crate::driver::{Event, Stream};
@@ -76,6 +77,7 @@ impl Hasher for AddrHasher {
 pub(crate) trait StatSink {
     fn change(&mut self, index: usize, delta: i64);
 
+    #[inline(always)]
     fn both(&mut self, kind: StatKind, pool: PoolKind, delta: i64) {
         self.change(aggregate(kind), delta);
         self.change(of_pool(kind, pool), delta);
@@ -88,8 +90,8 @@ pub(crate) struct ShardInner {
     pub blocks: Vec<Block>,
     spare: Vec<u32>,
     /// Free blocks by (size, address): best fit, then lowest address.
-    small: BTreeSet<(usize, usize, u32)>,
-    large: BTreeSet<(usize, usize, u32)>,
+    small: FreeIndex,
+    large: FreeIndex,
     /// Allocated blocks by address.
     pub live: HashMap<usize, u32, BuildHasherDefault<AddrHasher>>,
     /// Events recorded for blocks in [`State::AwaitingEvents`].
@@ -126,7 +128,7 @@ impl ShardInner {
         &mut self.blocks[id as usize]
     }
 
-    fn index_of(&mut self, pool: PoolKind) -> &mut BTreeSet<(usize, usize, u32)> {
+    fn index_of(&mut self, pool: PoolKind) -> &mut FreeIndex {
         match pool {
             PoolKind::Small => &mut self.small,
             PoolKind::Large => &mut self.large,
@@ -154,7 +156,7 @@ impl ShardInner {
         rounded: usize,
         max_split_size: usize,
     ) -> Option<u32> {
-        let &(size, _, id) = self.index_of(pool).range((rounded, 0, 0)..).next()?;
+        let (size, _, id) = self.index_of(pool).first_at_least((rounded, 0, 0))?;
         // Larger candidates would break the oversize rules too, so the first one decides.
         if !super::size::block_fits(size, rounded, max_split_size) {
             return None;
@@ -332,7 +334,7 @@ impl ShardInner {
         self.small
             .iter()
             .chain(self.large.iter())
-            .map(|&(_, _, id)| id)
+            .map(|(_, _, id)| id)
             .filter(|&id| !self.blocks[id as usize].is_split())
             .collect()
     }

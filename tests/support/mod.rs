@@ -57,3 +57,20 @@ pub fn with_driver(cmd: &mut Command) -> &mut Command {
     }
     cmd
 }
+
+/// A command that compiles the C program `src` into `exe`, linked against `libtensoralloc.so`
+/// in `lib` (found again at run time through an rpath). Add flags before running it.
+pub fn compile_c(src: &Path, exe: &Path, lib: &Path) -> Command {
+    let mut cmd = Command::new(cc());
+    cmd.arg("-std=c99")
+        .arg("-I")
+        .arg(root().join("include"))
+        .arg(src)
+        .arg("-o")
+        .arg(exe)
+        .arg("-L")
+        .arg(lib)
+        .args(["-ltensoralloc", "-lpthread"])
+        .arg(format!("-Wl,-rpath,{}", lib.display()));
+    cmd
+}
