@@ -108,7 +108,9 @@ fn open_driver_library() -> Result<LibraryHandle> {
         if !handle.is_null() {
             return Ok(LibraryHandle(handle));
         }
-        tried.push(name);
+        if !tried.contains(&name) {
+            tried.push(name);
+        }
     }
     Err(Error::NoDriver(format!(
         "{} (tried {})",
