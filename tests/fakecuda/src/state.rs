@@ -75,7 +75,7 @@ const COUNTERS: usize = 19;
 static GLOBAL_COUNTS: [AtomicU64; COUNTERS] = [const { AtomicU64::new(0) }; COUNTERS];
 
 thread_local! {
-    static THREAD_COUNTS: [Cell<u64>; COUNTERS] = [const { Cell::new(0) }; COUNTERS];
+    static THREAD_COUNTS: [Cell<u64>; COUNTERS] = const { [const { Cell::new(0) }; COUNTERS] };
     /// The calling thread's context stack (indices of primary contexts); the top is current.
     static CONTEXT_STACK: RefCell<Vec<usize>> = const { RefCell::new(Vec::new()) };
 }
