@@ -11,6 +11,18 @@ use crate::error::Error;
 pub mod device;
 pub mod sim;
 
+/// A CUDA stream (`cudaStream_t`, `CUstream`). Opaque: tensoralloc only passes it to the driver
+/// and uses its address to tell streams apart. NULL is the legacy default stream.
+#[repr(C)]
+pub struct CUstream_st {
+    _private: [u8; 0],
+}
+
+/// The stream handle as an integer.
+pub(crate) fn stream_id(stream: *mut CUstream_st) -> crate::driver::Stream {
+    stream as usize
+}
+
 /// Status returned by tensoralloc functions that do not return a pointer: 0 on success, and
 /// otherwise one of the `TENSORALLOC_ERR_*` values; `tensoralloc_last_error()` says why.
 #[allow(non_camel_case_types)]
