@@ -6,8 +6,8 @@
 //! and field offsets of the structures and scalar types the fake defines are checked with
 //! `_Static_assert`.
 //!
-//! Needs `CUDA_INCLUDE_DIR`: a directory holding NVIDIA's `cuda.h` (from the
-//! `nvidia-cuda-runtime` wheel: `nvidia/cu13/include`). Without it the test fails and says so.
+//! Needs NVIDIA's `cuda.h` (from the `nvidia-cuda-runtime` wheel) in `$CUDA_INCLUDE_DIR` or
+//! `target/cuda-include` (`scripts/fetch-cuda-headers`). Without it the test fails and says so.
 
 use std::fmt::Write as _;
 use std::path::PathBuf;
@@ -16,18 +16,18 @@ use std::process::Command;
 use fakecuda::types::{FIELD_OFFSETS, TYPE_SIZES};
 use fakecuda::EXPORTS;
 
-/// NVIDIA's header directory, from `CUDA_INCLUDE_DIR`.
+/// NVIDIA's header directory: `$CUDA_INCLUDE_DIR`, else the workspace's `target/cuda-include`,
+/// which `scripts/fetch-cuda-headers` fills from the `nvidia-cuda-runtime` wheel.
 fn cuda_include_dir() -> PathBuf {
-    let dir = std::env::var_os("CUDA_INCLUDE_DIR").map(PathBuf::from).unwrap_or_else(|| {
-        panic!(
-            "CUDA_INCLUDE_DIR is not set: point it at a directory holding NVIDIA's cuda.h, e.g.\n  \
-             pip download --no-deps nvidia-cuda-runtime -d DIR && unzip -o DIR/*.whl 'nvidia/cu13/include/*' -d DIR\n  \
-             CUDA_INCLUDE_DIR=DIR/nvidia/cu13/include cargo test -p fakecuda"
-        )
-    });
+    let dir = std::env::var_os("CUDA_INCLUDE_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target/cuda-include")
+        });
     assert!(
         dir.join("cuda.h").is_file(),
-        "CUDA_INCLUDE_DIR={} holds no cuda.h",
+        "NVIDIA's cuda.h is not in {}: run scripts/fetch-cuda-headers (or set CUDA_INCLUDE_DIR to a \
+         directory holding cuda.h)",
         dir.display()
     );
     dir
