@@ -330,3 +330,25 @@ fn allocations_reach_the_loaded_fake_driver() {
     assert!(counter("mem_alloc") > before);
     d.mem_free(0, p).unwrap();
 }
+
+#[test]
+fn the_fake_drivers_stream_holds_are_reachable_through_the_backend() {
+    let d = driver();
+    let stream = 0x7373;
+    let e = d.event_create(0).unwrap();
+    d.fake_hold_stream(stream).unwrap();
+    d.event_record(0, e, stream).unwrap();
+    assert!(!d.event_query(0, e).unwrap());
+    d.fake_release_stream(stream).unwrap();
+    assert!(d.event_query(0, e).unwrap());
+    d.event_destroy(0, e).unwrap();
+}
+
+#[test]
+fn the_fake_drivers_device_usage_is_reachable_through_the_backend() {
+    let d = driver();
+    let before = d.fake_device_used(0).unwrap();
+    let p = d.mem_alloc(0, 1 << 20).unwrap();
+    assert!(d.fake_device_used(0).unwrap() >= before + (1 << 20));
+    d.mem_free(0, p).unwrap();
+}

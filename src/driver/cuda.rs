@@ -75,7 +75,7 @@ pub struct CudaDriver {
     devices: Vec<DeviceSlot>,
     /// Our own `dlopen` reference to the library cudarc uses, so it stays loaded as long as we
     /// hold handles from it.
-    _library: LibraryHandle,
+    library: LibraryHandle,
 }
 
 /// A `dlopen` handle, closed never: the driver must outlive every handle it gave out.
@@ -227,10 +227,7 @@ impl CudaDriver {
                 primary: OnceCell::new(),
             });
         }
-        Ok(CudaDriver {
-            devices,
-            _library: library,
-        })
+        Ok(CudaDriver { devices, library })
     }
 
     fn slot(&self, device: usize) -> Result<&DeviceSlot> {
@@ -327,6 +324,58 @@ impl CudaDriver {
             .ok_or_else(|| {
                 Error::Driver(format!("cuCtxGetDevice returned unknown device {ordinal}"))
             })
+    }
+
+    /// A test control exported by the fake driver library (`tests/fakecuda`), when the loaded
+    /// `libcuda.so.1` is that fake; `None` with NVIDIA's driver.
+    fn fake_control(&self, name: &str) -> Option<*mut c_void> {
+        let cname = CString::new(name).ok()?;
+        // SAFETY: the handle came from dlopen and is never closed; the name is NUL-terminated.
+        let p = unsafe { libc::dlsym(self.library.0, cname.as_ptr()) };
+        (!p.is_null()).then_some(p)
+    }
+
+    fn not_fake(what: &str) -> Error {
+        Error::InvalidArgument(format!(
+            "{what} needs the simulated device: the loaded libcuda.so.1 is a real NVIDIA driver \
+             (use TENSORALLOC_DRIVER=sim, or the fake driver of the test suite)"
+        ))
+    }
+
+    /// On the fake driver of the test suite: holds `stream`, so that events recorded on it stay
+    /// pending until [`CudaDriver::fake_release_stream`]. Fails on a real driver.
+    pub fn fake_hold_stream(&self, stream: Stream) -> Result<()> {
+        let f = self
+            .fake_control("fakecuda_hold_stream")
+            .ok_or_else(|| Self::not_fake("holding a stream"))?;
+        // SAFETY: the fake exports `void fakecuda_hold_stream(CUstream)`.
+        let f: extern "C" fn(sys::CUstream) = unsafe { std::mem::transmute(f) };
+        f(stream as sys::CUstream);
+        Ok(())
+    }
+
+    /// On the fake driver of the test suite: completes the events recorded on a held stream.
+    /// Fails on a real driver.
+    pub fn fake_release_stream(&self, stream: Stream) -> Result<()> {
+        let f = self
+            .fake_control("fakecuda_release_stream")
+            .ok_or_else(|| Self::not_fake("releasing a stream"))?;
+        // SAFETY: the fake exports `void fakecuda_release_stream(CUstream)`.
+        let f: extern "C" fn(sys::CUstream) = unsafe { std::mem::transmute(f) };
+        f(stream as sys::CUstream);
+        Ok(())
+    }
+
+    /// On the fake driver of the test suite: bytes of device memory handed out on `device`.
+    /// Fails on a real driver.
+    pub fn fake_device_used(&self, device: usize) -> Result<u64> {
+        self.slot(device)?;
+        let f = self
+            .fake_control("fakecuda_device_used")
+            .ok_or_else(|| Self::not_fake("device usage"))?;
+        // SAFETY: the fake exports `uint64_t fakecuda_device_used(int)`.
+        let f: extern "C" fn(std::ffi::c_int) -> u64 = unsafe { std::mem::transmute(f) };
+        Ok(f(device as std::ffi::c_int))
     }
 
     /// The primary context of `device` if it has been retained (for tests and diagnostics).
