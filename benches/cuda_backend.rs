@@ -21,33 +21,35 @@ use tensoralloc::driver::Driver;
 const SIZE: usize = 1 << 20;
 const STREAM: usize = 0x100;
 
-fn pair(c: &mut Criterion, name: &str, driver: Arc<dyn Driver>) {
+/// A warmed allocator for device 0 of `driver`: its first malloc took a segment from the driver.
+fn warmed(driver: Arc<dyn Driver>) -> DeviceAllocator {
     let a = DeviceAllocator::new(driver, 0, &Config::default()).unwrap();
-    // Warm the cache: the first malloc gets a segment from the driver.
     let p = a.malloc(SIZE, STREAM).unwrap();
     a.free(p, Some(STREAM)).unwrap();
-    c.bench_function(name, |b| {
-        b.iter(|| {
-            let p = a.malloc(black_box(SIZE), STREAM).unwrap();
-            a.free(black_box(p), Some(STREAM)).unwrap();
-        })
-    });
-    a.empty_cache().unwrap();
+    a
 }
 
 fn cached_pair(c: &mut Criterion) {
-    pair(
-        c,
-        "cached malloc+free 1 MiB / simulated device",
-        SimDriver::shared(1, 1 << 30).unwrap(),
-    );
+    let sim = warmed(SimDriver::shared(1, 1 << 30).unwrap());
     cuda_support::load_fake();
-    let cuda = CudaDriver::load().expect("the backend loads the fake driver");
-    pair(
-        c,
-        "cached malloc+free 1 MiB / cuda backend on fake libcuda",
-        Arc::new(cuda),
-    );
+    let cuda = warmed(Arc::new(
+        CudaDriver::load().expect("the backend loads the fake driver"),
+    ));
+    let mut group = c.benchmark_group("cached malloc+free 1 MiB");
+    for (name, a) in [
+        ("simulated device", &sim),
+        ("cuda backend on fake libcuda", &cuda),
+    ] {
+        group.bench_function(name, |b| {
+            b.iter(|| {
+                let p = a.malloc(black_box(SIZE), STREAM).unwrap();
+                a.free(black_box(p), Some(STREAM)).unwrap();
+            })
+        });
+    }
+    group.finish();
+    sim.empty_cache().unwrap();
+    cuda.empty_cache().unwrap();
 }
 
 criterion_group!(benches, cached_pair);
