@@ -82,28 +82,32 @@ def train(mode, lib_path, steps):
         allocator = torch.cuda.memory.CUDAPluggableAllocator(lib_path, "tensoralloc_malloc", "tensoralloc_free")
         torch.cuda.memory.change_current_allocator(allocator)
         lib = ctypes.CDLL(lib_path)  # the same library instance PyTorch loaded
+        lib.tensoralloc_record_stream.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        lib.tensoralloc_record_stream.restype = None
 
     def record_stream(tensor, stream):
         tensor.record_stream(stream)
         if lib is not None:
             # PyTorch's Python API does not expose the pluggable allocator's record-stream hook,
             # so tell tensoralloc directly, with the storage's start as tensoralloc_malloc gave it.
-            lib.tensoralloc_record_stream(
-                ctypes.c_void_p(tensor.untyped_storage().data_ptr()), ctypes.c_void_p(stream.cuda_stream)
-            )
+            lib.tensoralloc_record_stream(tensor.untyped_storage().data_ptr(), stream.cuda_stream)
 
     torch.manual_seed(0)
-    torch.use_deterministic_algorithms(True)
+    # Same kernels in both runs, so the losses can be compared exactly: deterministic cuDNN
+    # choices, and no pooling layers (their CUDA backward passes add with atomics).
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
     device = torch.device("cuda", 0)
     model = torch.nn.Sequential(
         torch.nn.Conv2d(3, 16, 3, padding=1),
         torch.nn.ReLU(),
-        torch.nn.Conv2d(16, 32, 3, padding=1),
+        torch.nn.Conv2d(16, 32, 3, stride=2, padding=1),
         torch.nn.ReLU(),
-        torch.nn.AdaptiveAvgPool2d(4),
+        torch.nn.Conv2d(32, 32, 3, stride=2, padding=1),
+        torch.nn.ReLU(),
         torch.nn.Flatten(),
-        torch.nn.Linear(32 * 16, 256),
+        torch.nn.Linear(32 * 8 * 8, 256),
         torch.nn.ReLU(),
         torch.nn.Linear(256, 10),
     ).to(device)
