@@ -53,7 +53,7 @@ pub struct Vmm {
 }
 
 fn aligned(v: u64) -> bool {
-    v % GRANULARITY as u64 == 0
+    v.is_multiple_of(GRANULARITY as u64)
 }
 
 /// Checks a `CUmemAllocationProp` and returns its device.
@@ -186,7 +186,7 @@ impl Vmm {
         if size == 0 || !aligned(ptr) || !aligned(size as u64) || !aligned(offset as u64) {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
-        if offset.checked_add(size).map_or(true, |end| end > phys.size) {
+        if offset.checked_add(size).is_none_or(|end| end > phys.size) {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         let end = ptr + size as u64;
