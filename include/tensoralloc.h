@@ -275,15 +275,15 @@ int tensoralloc_device_count(void);
  * Holds `stream` on the simulated device: events recorded on it from now on stay pending (as
  * if a long kernel were running) until `tensoralloc_sim_release_stream`. Lets tests keep
  * deferred frees (`tensoralloc_record_stream`) waiting.
- * Returns `TENSORALLOC_OK`, or an error status with a last error when the simulated device is
- * not in use.
+ * Returns `TENSORALLOC_OK`, or an error status with a last error when no simulated device is
+ * in use (a real NVIDIA driver).
  */
 tensoralloc_status tensoralloc_sim_hold_stream(CUstream_st *stream);
 
 /**
  * Releases a stream held by `tensoralloc_sim_hold_stream`: every event recorded on it
- * completes. Returns `TENSORALLOC_OK`, or an error status with a last error when the
- * simulated device is not in use.
+ * completes. Returns `TENSORALLOC_OK`, or an error status with a last error when no
+ * simulated device is in use.
  */
 tensoralloc_status tensoralloc_sim_release_stream(CUstream_st *stream);
 
@@ -291,7 +291,7 @@ tensoralloc_status tensoralloc_sim_release_stream(CUstream_st *stream);
  * Bytes of simulated device memory that the driver has handed out on `device` (segments
  * tensoralloc holds), written to `*out` (owned by the caller). Lets tests prove that nothing
  * leaks. Returns `TENSORALLOC_OK`, or an error status with a last error when `out` is NULL,
- * the device does not exist, or the simulated device is not in use.
+ * the device does not exist, or no simulated device is in use.
  */
 tensoralloc_status tensoralloc_sim_device_used(int32_t device, uint64_t *out);
 
