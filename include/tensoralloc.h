@@ -7,8 +7,11 @@
 #include <stddef.h>
 #include <stdint.h>
 
-/** A CUDA stream: the same type as cudaStream_t and CUstream, so this header mixes with NVIDIA's. */
-struct CUstream_st;
+/**
+ * A CUDA stream. `CUstream_st *` is the same type as `cudaStream_t` and `CUstream`, so this
+ * header needs no CUDA header and mixes with NVIDIA's. NULL is the legacy default stream.
+ */
+typedef struct CUstream_st CUstream_st;
 
 
 /**
