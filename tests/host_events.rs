@@ -27,7 +27,7 @@ fn events_created(sim: &SimDriver) -> u64 {
 #[test]
 fn a_block_used_by_a_held_stream_is_not_reused_until_the_stream_finishes() {
     for (register, stream) in [(false, 0x1001), (true, 0x1002)] {
-        let (sim, host) = setup(register);
+        let (_sim, host) = setup(register);
         let a = host.malloc(4096).unwrap();
         assert!(host.record_event(a.ptr, Some(a.ctx), stream));
         sim::hold_stream(stream);

@@ -112,8 +112,8 @@ fn streams_used_from_many_threads_defer_and_then_release_every_block() {
         sim::hold_stream(s);
     }
     std::thread::scope(|sc| {
-        for t in 0..4 {
-            let (host, stream) = (&host, streams[t]);
+        for &stream in &streams {
+            let host = &host;
             sc.spawn(move || {
                 for _ in 0..50 {
                     let b = host.malloc(8192).unwrap();

@@ -114,7 +114,7 @@ impl HostAllocator {
             let mut best: Option<(usize, FreeBlock)> = None;
             for (i, s) in self.shards.iter().enumerate() {
                 if let Some(b) = s.inner.lock().best_fit(need, self.round_power2) {
-                    if best.is_none_or(|(_, c)| (b.size, b.address) < (c.size, c.address)) {
+                    if best.map_or(true, |(_, c)| (b.size, b.address) < (c.size, c.address)) {
                         best = Some((i, b));
                     }
                 }
@@ -166,14 +166,12 @@ impl HostAllocator {
     }
 
     /// Polls the events guarding freed blocks and moves the blocks whose last event completed
-    /// back to their shards. With `wait`, waits for the queue lock and examines every event
-    /// once; otherwise gives up at once if another thread is polling.
-    pub(super) fn poll_events(&self, wait: bool) -> usize {
+    /// back to their shards. With `wait`, waits for the queue lock and goes on until no
+    /// completed event is left; otherwise does one bounded batch, or nothing if another thread
+    /// is polling.
+    pub(super) fn poll_events(&self, wait: bool) {
         let mut freed = [0u32; POLL_BATCH];
-        let mut total = 0;
-        let mut rounds = if wait { self.events.len().max(1) } else { 1 };
-        while rounds > 0 {
-            rounds -= 1;
+        loop {
             let n = self
                 .events
                 .poll(&*self.pinner.driver, &self.pool, wait, &mut freed, |id| {
@@ -184,12 +182,10 @@ impl HostAllocator {
             for &id in &freed[..n] {
                 self.make_free(id, &[0, 0, -1]);
             }
-            total += n;
-            if n == 0 && !wait {
-                break;
+            if n < POLL_BATCH || !wait {
+                return;
             }
         }
-        total
     }
 
     /// Puts block `id` on its home shard's free list and applies `delta` to that shard.

@@ -3,7 +3,7 @@
 //!
 //! Events are created and destroyed only through [`EventPool::take`] (no lock held while the
 //! driver creates one) and at teardown, never while a lock that allocation needs is held.
-//! The queue is polled from the allocation path with `try_lock`, so a thread that finds
+//! The queues are polled from the allocation path with `try_lock`, so a thread that finds
 //! another one polling goes on without waiting.
 
 use std::collections::VecDeque;
@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use parking_lot::Mutex;
 
-use crate::driver::{Driver, Event};
+use crate::driver::{Driver, Event, Stream};
 use crate::error::Result;
 
 /// Blocks that polling may make free in one call; bounds the work a caller does for others.
@@ -63,17 +63,22 @@ impl EventPool {
     }
 }
 
-/// Events that guard pending blocks, oldest first.
+/// Events that guard pending blocks: one queue per stream, oldest first. Work on a stream
+/// completes in order, so only the oldest event of each stream needs asking.
 pub(crate) struct EventQueue {
-    queue: Mutex<VecDeque<Guard>>,
-    /// Events in the queue: the allocation path reads this before touching the lock.
+    queues: Mutex<Vec<(Stream, VecDeque<Guard>)>>,
+    /// Events in the queues: the allocation path reads this before touching the lock.
     count: AtomicUsize,
 }
+
+/// Streams whose queues are kept once empty (their storage is reused); past this, empty
+/// queues are dropped.
+const KEEP_STREAMS: usize = 64;
 
 impl EventQueue {
     pub(crate) fn new() -> EventQueue {
         EventQueue {
-            queue: Mutex::new(VecDeque::new()),
+            queues: Mutex::new(Vec::new()),
             count: AtomicUsize::new(0),
         }
     }
@@ -83,21 +88,21 @@ impl EventQueue {
         self.count.load(Ordering::Relaxed) != 0
     }
 
-    pub(crate) fn len(&self) -> usize {
-        self.count.load(Ordering::Relaxed)
-    }
-
-    pub(crate) fn push(&self, guard: Guard) {
-        self.queue.lock().push_back(guard);
+    /// Queues `guard`, recorded on `stream`.
+    pub(crate) fn push(&self, stream: Stream, guard: Guard) {
+        let mut queues = self.queues.lock();
+        match queues.iter_mut().find(|(s, _)| *s == stream) {
+            Some((_, q)) => q.push_back(guard),
+            None => queues.push((stream, VecDeque::from([guard]))),
+        }
         self.count.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// Queries events oldest first. Each completed event goes back to `pool` and is reported
-    /// to `complete`, which returns the block id when that was the block's last event; those
-    /// ids are written to `freed` (at most `freed.len()`). Stops at the first event still
-    /// running after moving it to the back of the queue, so every event gets its turn over
-    /// successive calls without any call doing unbounded work. With `wait == false` a busy
-    /// queue is skipped. Returns the number of ids written.
+    /// Asks each stream's oldest events whether they completed. Each completed event goes
+    /// back to `pool` and is reported to `complete`, which returns true when it was the
+    /// block's last event; those block ids are written to `freed`, at most `freed.len()`, which
+    /// bounds the work of one call. With `wait == false` a busy queue is skipped. Returns the
+    /// number of ids written.
     pub(crate) fn poll(
         &self,
         driver: &dyn Driver,
@@ -106,43 +111,44 @@ impl EventQueue {
         freed: &mut [u32],
         mut complete: impl FnMut(u32) -> bool,
     ) -> usize {
-        let mut queue = if wait {
-            self.queue.lock()
+        let mut queues = if wait {
+            self.queues.lock()
         } else {
-            match self.queue.try_lock() {
+            match self.queues.try_lock() {
                 Some(q) => q,
                 None => return 0,
             }
         };
         let mut n = 0;
-        while n < freed.len() {
-            let Some(guard) = queue.pop_front() else {
-                break;
-            };
-            match driver.event_query(guard.device, guard.event) {
-                Ok(true) => {
-                    self.count.fetch_sub(1, Ordering::Relaxed);
-                    pool.put(guard.device, guard.event);
-                    if complete(guard.block) {
-                        freed[n] = guard.block;
-                        n += 1;
-                    }
+        'streams: for (_, queue) in queues.iter_mut() {
+            while let Some(&guard) = queue.front() {
+                if n == freed.len() {
+                    break 'streams;
                 }
                 // Still running, or the driver cannot say: the block stays guarded.
-                Ok(false) | Err(_) => {
-                    queue.push_back(guard);
+                if !matches!(driver.event_query(guard.device, guard.event), Ok(true)) {
                     break;
                 }
+                queue.pop_front();
+                self.count.fetch_sub(1, Ordering::Relaxed);
+                pool.put(guard.device, guard.event);
+                if complete(guard.block) {
+                    freed[n] = guard.block;
+                    n += 1;
+                }
             }
+        }
+        if queues.len() > KEEP_STREAMS {
+            queues.retain(|(_, q)| !q.is_empty());
         }
         n
     }
 
     /// Destroys every queued event (teardown only).
     pub(crate) fn destroy_all(&self, driver: &dyn Driver) {
-        let queue = std::mem::take(&mut *self.queue.lock());
+        let queues = std::mem::take(&mut *self.queues.lock());
         self.count.store(0, Ordering::Relaxed);
-        for g in queue {
+        for g in queues.into_iter().flat_map(|(_, q)| q) {
             let _ = driver.event_destroy(g.device, g.event);
         }
     }

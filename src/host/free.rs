@@ -93,11 +93,14 @@ impl HostAllocator {
         let mut first_error = None;
         for &stream in &streams {
             match self.record_on(stream) {
-                Ok((device, event)) => self.events.push(Guard {
-                    event,
-                    device,
-                    block: id,
-                }),
+                Ok((device, event)) => self.events.push(
+                    stream,
+                    Guard {
+                        event,
+                        device,
+                        block: id,
+                    },
+                ),
                 Err(e) => {
                     first_error.get_or_insert(e);
                 }

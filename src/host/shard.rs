@@ -149,8 +149,8 @@ impl ShardInner {
     }
 
     pub(crate) fn apply(&mut self, delta: &Counts) {
-        for c in 0..COUNTERS {
-            self.counts[c] += delta[c];
+        for (count, d) in self.counts.iter_mut().zip(delta) {
+            *count += d;
         }
     }
 }

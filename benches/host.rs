@@ -1,0 +1,102 @@
+//! Pinned-host allocator benchmarks: the cached 4 KiB malloc+free pair on one thread (through
+//! the Rust API and through the C ABI), and 1, 2 and 4 threads churning at once.
+//!
+//! Run with `cargo bench --bench host`. For the thread benchmarks criterion's time is the wall
+//! time for every thread to do one pair; its throughput (elements/s) counts pairs of all
+//! threads, so scaling is the throughput ratio.
+
+use std::hint::black_box;
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use tensoralloc::capi::host::{tensoralloc_host_free, tensoralloc_host_malloc};
+use tensoralloc::config::Config;
+use tensoralloc::driver::sim::SimDriver;
+use tensoralloc::host::HostAllocator;
+
+const SIZE: usize = 4096;
+
+fn allocator() -> Arc<HostAllocator> {
+    let sim = SimDriver::shared(1, 1 << 30).expect("simulated driver");
+    Arc::new(HostAllocator::new(sim, &Config::default()))
+}
+
+fn cached_pair(c: &mut Criterion) {
+    let host = allocator();
+    let warm = host.malloc(SIZE).unwrap();
+    host.free(warm.ptr, Some(warm.ctx)).unwrap();
+    let mut g = c.benchmark_group("host_cached_pair_4k");
+    g.throughput(Throughput::Elements(1));
+    g.bench_function("rust", |b| {
+        b.iter(|| {
+            let blk = host.malloc(black_box(SIZE)).unwrap();
+            host.free(black_box(blk.ptr), Some(blk.ctx)).unwrap();
+        })
+    });
+    g.bench_function("rust_no_ctx", |b| {
+        b.iter(|| {
+            let blk = host.malloc(black_box(SIZE)).unwrap();
+            host.free(black_box(blk.ptr), None).unwrap();
+        })
+    });
+
+    // The C functions use the process-wide allocator on the simulated driver.
+    std::env::set_var("TENSORALLOC_DRIVER", "sim");
+    let mut ctx = std::ptr::null_mut();
+    let p = tensoralloc_host_malloc(SIZE, &mut ctx);
+    assert!(!p.is_null());
+    tensoralloc_host_free(p, ctx);
+    g.bench_function("c_abi", |b| {
+        b.iter(|| {
+            let mut ctx = std::ptr::null_mut();
+            let p = tensoralloc_host_malloc(black_box(SIZE), &mut ctx);
+            tensoralloc_host_free(black_box(p), ctx);
+        })
+    });
+    g.finish();
+}
+
+/// Wall time for `threads` threads to each do `iters` cached pairs, started together.
+fn churn(host: &Arc<HostAllocator>, threads: usize, iters: u64) -> Duration {
+    let start = Arc::new(Barrier::new(threads + 1));
+    let done = Arc::new(Barrier::new(threads + 1));
+    let handles: Vec<_> = (0..threads)
+        .map(|_| {
+            let (host, start, done) = (host.clone(), start.clone(), done.clone());
+            std::thread::spawn(move || {
+                let warm = host.malloc(SIZE).unwrap();
+                host.free(warm.ptr, Some(warm.ctx)).unwrap();
+                start.wait();
+                for _ in 0..iters {
+                    let blk = host.malloc(black_box(SIZE)).unwrap();
+                    host.free(black_box(blk.ptr), Some(blk.ctx)).unwrap();
+                }
+                done.wait();
+            })
+        })
+        .collect();
+    start.wait();
+    let t0 = Instant::now();
+    done.wait();
+    let took = t0.elapsed();
+    for h in handles {
+        h.join().unwrap();
+    }
+    took
+}
+
+fn threads(c: &mut Criterion) {
+    let host = allocator();
+    let mut g = c.benchmark_group("host_threads_pair_4k");
+    for n in [1usize, 2, 4] {
+        g.throughput(Throughput::Elements(n as u64));
+        g.bench_function(format!("{n}"), |b| {
+            b.iter_custom(|iters| churn(&host, n, iters))
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(benches, cached_pair, threads);
+criterion_main!(benches);
