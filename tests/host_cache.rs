@@ -320,3 +320,36 @@ fn dropping_the_allocator_returns_cached_blocks() {
     }
     assert_eq!(pins(&sim), (1, 1));
 }
+
+#[test]
+fn peaks_are_exact_when_threads_take_turns() {
+    let (_sim, host) = setup(false);
+    let on_new_thread = |n: usize| {
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                (0..n)
+                    .map(|_| host.malloc(4096).unwrap())
+                    .collect::<Vec<_>>()
+            })
+            .join()
+            .unwrap()
+        })
+    };
+    let first = on_new_thread(1);
+    host.free(first[0].ptr, None).unwrap();
+    let second = on_new_thread(1);
+    assert_eq!(host.stats().allocations.peak, 1);
+    let third = on_new_thread(1);
+    assert_eq!(host.stats().allocations.peak, 2);
+    for b in second.iter().chain(&third) {
+        host.free(b.ptr, None).unwrap();
+    }
+    assert_eq!(host.stats().allocations.peak, 2);
+    let fourth = on_new_thread(3);
+    let s = host.stats();
+    assert_eq!((s.allocations.current, s.allocations.peak), (3, 3));
+    assert_eq!(s.allocated_bytes.peak, 3 * 4096);
+    for b in fourth {
+        host.free(b.ptr, None).unwrap();
+    }
+}

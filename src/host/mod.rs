@@ -211,20 +211,33 @@ impl HostAllocator {
         }
     }
 
-    /// Locks every shard, raises each peak to the exact sum plus `delta` where that is
-    /// higher, and gives all unused headroom to `home`, so that the limits again add up to the
-    /// peaks and `home` can apply `delta`.
+    /// Locks every shard and gives `home` the headroom it lacks to apply `delta`: first the
+    /// unused headroom of other shards, then, if that is not enough, a raised peak. Raising
+    /// happens only when every other shard is at its limit, so the new peak is the exact sum.
+    /// Afterwards the limits again add up to the peaks. Taking only what is missing leaves
+    /// the other shards' headroom alone, so threads that each hold steady stop rebalancing.
     fn rebalance(&self, home: usize, delta: &Counts) {
         let mut peaks = self.peaks.lock();
         let mut guards: Vec<_> = self.shards.iter().map(|s| s.inner.lock()).collect();
         for (c, peak) in peaks.iter_mut().enumerate() {
-            let grow = delta[c].max(0);
-            let need = guards.iter().map(|g| g.counts[c]).sum::<i64>() + grow;
-            *peak = (*peak).max(need);
-            for g in guards.iter_mut() {
-                g.limits[c] = g.counts[c];
+            let deficit = guards[home].counts[c] + delta[c].max(0) - guards[home].limits[c];
+            if deficit <= 0 {
+                continue;
             }
-            guards[home].limits[c] += grow + (*peak - need);
+            let mut missing = deficit;
+            for (j, g) in guards.iter_mut().enumerate() {
+                if missing == 0 {
+                    break;
+                }
+                let spare = g.limits[c] - g.counts[c];
+                if j != home && spare > 0 {
+                    let take = spare.min(missing);
+                    g.limits[c] -= take;
+                    missing -= take;
+                }
+            }
+            guards[home].limits[c] += deficit;
+            *peak += missing;
         }
     }
 }

@@ -8,9 +8,10 @@
 //!
 //! Peaks of sharded counters stay exact with a reservation scheme: every shard has a limit
 //! per counter, the limits add up to the recorded peak, and a shard may grow a counter only
-//! up to its limit. Only when a shard would pass its limit does [`super::HostAllocator`] lock
-//! every shard, take the exact sum, raise the peak if needed and hand the unused headroom of
-//! all shards to the one that needs it (see `stats::rebalance`).
+//! up to its limit. Only when a shard would pass its limit does the allocator lock every shard
+//! and move unused headroom from other shards to it, raising the peak by what is still
+//! missing (`HostAllocator::rebalance`). While no counter passes its limit, the sum cannot
+//! pass the peak, so the cached path never looks at other shards.
 
 use std::cell::Cell;
 use std::cmp::Reverse;
