@@ -4,6 +4,11 @@
 //! Run with `cargo bench --bench host`. For the thread benchmarks criterion's time is the wall
 //! time for every thread to do one pair; its throughput (elements/s) counts pairs of all
 //! threads, so scaling is the throughput ratio.
+//!
+//! The `*_cpu` variants report CPU time of the measuring threads instead of wall time: on a
+//! machine shared with other work, wall time includes time the threads were not running. In
+//! `host_threads_cpu_per_pair/N` each of N threads measures its own CPU time per pair; if
+//! the threads shared a lock or a written cache line, that time would grow with N.
 
 use std::hint::black_box;
 use std::sync::{Arc, Barrier};
@@ -16,6 +21,17 @@ use tensoralloc::driver::sim::SimDriver;
 use tensoralloc::host::HostAllocator;
 
 const SIZE: usize = 4096;
+
+/// CPU time consumed by the calling thread.
+fn thread_cpu() -> Duration {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid timespec to write to.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
+}
 
 fn allocator() -> Arc<HostAllocator> {
     let sim = SimDriver::shared(1, 1 << 30).expect("simulated driver");
@@ -32,6 +48,16 @@ fn cached_pair(c: &mut Criterion) {
         b.iter(|| {
             let blk = host.malloc(black_box(SIZE)).unwrap();
             host.free(black_box(blk.ptr), Some(blk.ctx)).unwrap();
+        })
+    });
+    g.bench_function("rust_cpu", |b| {
+        b.iter_custom(|iters| {
+            let t0 = thread_cpu();
+            for _ in 0..iters {
+                let blk = host.malloc(black_box(SIZE)).unwrap();
+                host.free(black_box(blk.ptr), Some(blk.ctx)).unwrap();
+            }
+            thread_cpu() - t0
         })
     });
     g.bench_function("rust_no_ctx", |b| {
@@ -57,8 +83,9 @@ fn cached_pair(c: &mut Criterion) {
     g.finish();
 }
 
-/// Wall time for `threads` threads to each do `iters` cached pairs, started together.
-fn churn(host: &Arc<HostAllocator>, threads: usize, iters: u64) -> Duration {
+/// Wall time for `threads` threads to each do `iters` cached pairs, started together, and the
+/// mean CPU time of those threads.
+fn churn(host: &Arc<HostAllocator>, threads: usize, iters: u64) -> (Duration, Duration) {
     let start = Arc::new(Barrier::new(threads + 1));
     let done = Arc::new(Barrier::new(threads + 1));
     let handles: Vec<_> = (0..threads)
@@ -68,11 +95,14 @@ fn churn(host: &Arc<HostAllocator>, threads: usize, iters: u64) -> Duration {
                 let warm = host.malloc(SIZE).unwrap();
                 host.free(warm.ptr, Some(warm.ctx)).unwrap();
                 start.wait();
+                let t0 = thread_cpu();
                 for _ in 0..iters {
                     let blk = host.malloc(black_box(SIZE)).unwrap();
                     host.free(black_box(blk.ptr), Some(blk.ctx)).unwrap();
                 }
+                let cpu = thread_cpu() - t0;
                 done.wait();
+                cpu
             })
         })
         .collect();
@@ -80,10 +110,8 @@ fn churn(host: &Arc<HostAllocator>, threads: usize, iters: u64) -> Duration {
     let t0 = Instant::now();
     done.wait();
     let took = t0.elapsed();
-    for h in handles {
-        h.join().unwrap();
-    }
-    took
+    let cpu: Duration = handles.into_iter().map(|h| h.join().unwrap()).sum();
+    (took, cpu / threads as u32)
 }
 
 fn threads(c: &mut Criterion) {
@@ -92,7 +120,15 @@ fn threads(c: &mut Criterion) {
     for n in [1usize, 2, 4] {
         g.throughput(Throughput::Elements(n as u64));
         g.bench_function(format!("{n}"), |b| {
-            b.iter_custom(|iters| churn(&host, n, iters))
+            b.iter_custom(|iters| churn(&host, n, iters).0)
+        });
+    }
+    g.finish();
+    let mut g = c.benchmark_group("host_threads_cpu_per_pair");
+    g.throughput(Throughput::Elements(1));
+    for n in [1usize, 2, 4] {
+        g.bench_function(format!("{n}"), |b| {
+            b.iter_custom(|iters| churn(&host, n, iters).1)
         });
     }
     g.finish();

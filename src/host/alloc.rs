@@ -29,17 +29,16 @@ impl HostAllocator {
         let class = floor_log2(need);
         let taken = {
             let mut g = self.shards[home].inner.lock();
-            match g.pop_fit(class, need) {
-                Some(b) => {
-                    let delta = [1, b.size as i64, 1];
-                    if g.fits(&delta) {
-                        g.apply(&delta);
-                        drop(g);
-                        return Ok(self.hand_out(b.id, home));
-                    }
-                    Some(b)
+            let b = g.pop_fit(class, need);
+            match b {
+                Some(b) if g.fits(&[1, b.size as i64, 1]) => {
+                    g.apply(&[1, b.size as i64, 1]);
+                    // Under the home lock, like every change of a block's state.
+                    let handed = self.hand_out(b.id, home);
+                    drop(g);
+                    return Ok(handed);
                 }
-                None => None,
+                other => other,
             }
         };
         if let Some(b) = taken {
@@ -65,7 +64,7 @@ impl HostAllocator {
         })
     }
 
-    /// Marks block `id` as handed out by shard `home`.
+    /// Marks block `id`, which no free list holds, as handed out by shard `home`.
     fn hand_out(&self, id: u32, home: usize) -> HostBlock {
         let b = self
             .arena
@@ -188,7 +187,7 @@ impl HostAllocator {
         }
     }
 
-    /// Puts block `id` on its home shard's free list and applies `delta` to that shard.
+    /// Puts pending block `id` on its home shard's free list and applies `delta` there.
     pub(super) fn make_free(&self, id: u32, delta: &[i64; 3]) {
         let b = self.arena.get(id).expect("only live blocks are freed");
         let free = FreeBlock {
@@ -196,8 +195,9 @@ impl HostAllocator {
             size: b.size(),
             id,
         };
-        b.state.store(FREE, Ordering::Release);
+        // A pending block's home does not change until it is handed out again.
         let mut g = self.shards[b.home()].inner.lock();
+        b.state.store(FREE, Ordering::Release);
         g.push(free);
         g.apply(delta);
     }

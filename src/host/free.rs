@@ -3,11 +3,14 @@
 
 use std::sync::atomic::Ordering;
 
-use super::arena::{Block, ALLOCATED, ALLOCATED_WITH_STREAMS, PENDING};
+use super::arena::{Block, ALLOCATED, ALLOCATED_WITH_STREAMS, FREE, PENDING};
 use super::events::Guard;
+use super::shard::{FreeBlock, RawSpin, ShardInner};
 use super::HostAllocator;
 use crate::driver::{Event, Stream};
 use crate::error::{Error, Result};
+
+type SpinGuard<'a> = lock_api::MutexGuard<'a, RawSpin, ShardInner>;
 
 impl HostAllocator {
     /// The block at `ptr`. A `ctx` from `malloc` avoids the lookup; a context that does not
@@ -46,50 +49,54 @@ impl HostAllocator {
                 "{ptr:#x} is not a block of the pinned-host allocator"
             )));
         };
-        match b
-            .state
-            .compare_exchange(ALLOCATED, PENDING, Ordering::AcqRel, Ordering::Acquire)
-        {
-            Ok(_) => {
-                let size = b.size() as i64;
-                self.make_free(id, &[-1, -size, -1]);
+        let mut g = self.lock_home(b);
+        match b.state.load(Ordering::Acquire) {
+            ALLOCATED => {
+                b.state.store(FREE, Ordering::Release);
+                let size = b.size();
+                g.push(FreeBlock {
+                    address: ptr,
+                    size,
+                    id,
+                });
+                g.apply(&[-1, -(size as i64), -1]);
                 Ok(())
             }
-            Err(ALLOCATED_WITH_STREAMS) => self.free_after_streams(id, b),
-            Err(_) => Err(Error::UnknownPointer(format!(
+            ALLOCATED_WITH_STREAMS => {
+                // Active until the streams' events complete.
+                b.state.store(PENDING, Ordering::Release);
+                g.apply(&[-1, -(b.size() as i64), 0]);
+                drop(g);
+                self.free_after_streams(id, b)
+            }
+            _ => Err(Error::UnknownPointer(format!(
                 "{ptr:#x} was already freed (double free); nothing was changed"
             ))),
         }
     }
 
-    /// Frees a block that streams used: records an event on each stream and queues them.
-    fn free_after_streams(&self, id: u32, b: &Block) -> Result<()> {
-        let mut streams = {
-            let mut s = b.streams.lock();
-            // Under the stream lock, so record_event cannot add a stream after this.
-            if b.state
-                .compare_exchange(
-                    ALLOCATED_WITH_STREAMS,
-                    PENDING,
-                    Ordering::AcqRel,
-                    Ordering::Acquire,
-                )
-                .is_err()
-            {
-                return Err(Error::UnknownPointer(format!(
-                    "{:#x} was already freed (double free); nothing was changed",
-                    b.ptr()
-                )));
+    /// Locks the home shard of `b`. Every change of a handed-out block's state happens under
+    /// this lock, which is what makes a double free detectable without a compare-and-swap.
+    fn lock_home(&self, b: &Block) -> SpinGuard<'_> {
+        loop {
+            let home = b.home();
+            let g = self.shards[home].inner.lock();
+            // The block may have been freed and handed out by another shard meanwhile.
+            if b.home() == home {
+                return g;
             }
-            std::mem::take(&mut *s)
-        };
+        }
+    }
+
+    /// Guards the block freed by `free`, which streams used: records an event on each stream
+    /// and queues them. The block is already PENDING and off the counters of allocations.
+    fn free_after_streams(&self, id: u32, b: &Block) -> Result<()> {
+        // PENDING: record_event no longer touches the list.
+        let mut streams = std::mem::take(&mut *b.streams.lock());
         // One extra count for this call, so the block cannot become free before every event
         // is queued.
         b.events_left
             .store(streams.len() as u32 + 1, Ordering::Release);
-        let size = b.size() as i64;
-        let home = b.home();
-        self.account(home, &[-1, -size, 0]);
         let mut first_error = None;
         for &stream in &streams {
             match self.record_on(stream) {
@@ -147,26 +154,13 @@ impl HostAllocator {
         let Some((_, b)) = self.find(ptr, ctx) else {
             return false;
         };
-        let mut streams = b.streams.lock();
-        loop {
-            match b.state.load(Ordering::Acquire) {
-                ALLOCATED_WITH_STREAMS => break,
-                ALLOCATED => {
-                    if b.state
-                        .compare_exchange(
-                            ALLOCATED,
-                            ALLOCATED_WITH_STREAMS,
-                            Ordering::AcqRel,
-                            Ordering::Acquire,
-                        )
-                        .is_ok()
-                    {
-                        break;
-                    }
-                }
-                _ => return false,
-            }
+        let _home = self.lock_home(b);
+        match b.state.load(Ordering::Acquire) {
+            ALLOCATED => b.state.store(ALLOCATED_WITH_STREAMS, Ordering::Release),
+            ALLOCATED_WITH_STREAMS => {}
+            _ => return false,
         }
+        let mut streams = b.streams.lock();
         if !streams.contains(&stream) {
             streams.push(stream);
         }
