@@ -90,8 +90,10 @@ pub(crate) struct Shard {
 pub(crate) struct ShardInner {
     /// Bit `c` is set when `free[c]` is not empty.
     nonempty: u64,
-    /// Free blocks per class, smallest address first: `(address, size, id)`.
-    free: [BinaryHeap<Reverse<(usize, usize, u32)>>; CLASSES],
+    /// Free blocks per class, smallest address first: `(address, size, id)`. The id is
+    /// widened to 64 bits so an entry is written and read as whole words (a narrower field
+    /// made the heap's read-back miss store forwarding on the cached path).
+    free: [BinaryHeap<Reverse<(usize, usize, u64)>>; CLASSES],
     /// Current values of the counters for blocks whose home is this shard.
     pub(crate) counts: Counts,
     /// How far each counter may grow before the peak must be checked.
@@ -121,6 +123,7 @@ pub(crate) struct FreeBlock {
 
 impl ShardInner {
     /// Takes the lowest-addressed free block of `class` if it holds at least `need` bytes.
+    #[inline]
     pub(crate) fn pop_fit(&mut self, class: usize, need: usize) -> Option<FreeBlock> {
         let heap = &mut self.free[class];
         let &Reverse((address, size, id)) = heap.peek()?;
@@ -131,7 +134,11 @@ impl ShardInner {
         if heap.is_empty() {
             self.nonempty &= !(1u64 << class);
         }
-        Some(FreeBlock { address, size, id })
+        Some(FreeBlock {
+            address,
+            size,
+            id: id as u32,
+        })
     }
 
     /// The best free block for `need` bytes: the smallest, then the lowest address. With
@@ -154,7 +161,11 @@ impl ShardInner {
                     .min_by_key(|&(address, size, _)| (size, address))
             };
             if let Some((address, size, id)) = best {
-                return Some(FreeBlock { address, size, id });
+                return Some(FreeBlock {
+                    address,
+                    size,
+                    id: id as u32,
+                });
             }
         }
         None
@@ -165,7 +176,7 @@ impl ShardInner {
         let class = floor_log2(b.size);
         let heap = &mut self.free[class];
         let before = heap.len();
-        heap.retain(|r| r.0 .2 != b.id);
+        heap.retain(|r| r.0 .2 != b.id as u64);
         if heap.is_empty() {
             self.nonempty &= !(1u64 << class);
         }
@@ -173,9 +184,10 @@ impl ShardInner {
     }
 
     /// Adds a free block.
+    #[inline]
     pub(crate) fn push(&mut self, b: FreeBlock) {
         let class = floor_log2(b.size);
-        self.free[class].push(Reverse((b.address, b.size, b.id)));
+        self.free[class].push(Reverse((b.address, b.size, b.id as u64)));
         self.nonempty |= 1u64 << class;
     }
 
@@ -183,7 +195,11 @@ impl ShardInner {
     pub(crate) fn drain(&mut self, mut f: impl FnMut(FreeBlock)) {
         for heap in self.free.iter_mut() {
             for Reverse((address, size, id)) in heap.drain() {
-                f(FreeBlock { address, size, id });
+                f(FreeBlock {
+                    address,
+                    size,
+                    id: id as u32,
+                });
             }
         }
         self.nonempty = 0;
