@@ -113,7 +113,7 @@ impl HostAllocator {
             let mut best: Option<(usize, FreeBlock)> = None;
             for (i, s) in self.shards.iter().enumerate() {
                 if let Some(b) = s.inner.lock().best_fit(need, self.round_power2) {
-                    if best.map_or(true, |(_, c)| (b.size, b.address) < (c.size, c.address)) {
+                    if best.is_none_or(|(_, c)| (b.size, b.address) < (c.size, c.address)) {
                         best = Some((i, b));
                     }
                 }
