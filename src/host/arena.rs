@@ -30,9 +30,9 @@ const MAX_CHUNKS: usize = 1024;
 /// The largest block id plus one.
 pub(crate) const MAX_BLOCKS: usize = CHUNK * MAX_CHUNKS;
 
-/// One pinned block. Aligned to a cache line so blocks used by different threads never share
-/// one.
-#[repr(align(64))]
+/// One pinned block. Aligned to two cache lines so blocks used by different threads never
+/// share a line, nor a pair of lines that the hardware prefetches together.
+#[repr(align(128))]
 pub(crate) struct Block {
     /// Address of the pinned range; 0 while unused.
     pub(crate) ptr: AtomicUsize,

@@ -21,6 +21,9 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 /// Size classes: a block of `size` bytes is in class `floor(log2(size))`.
 pub(crate) const CLASSES: usize = usize::BITS as usize;
 
+/// Entries a free list makes room for when first used (16 × 24 bytes).
+const HEAP_START: usize = 16;
+
 /// Counters kept per shard.
 pub(crate) const ALLOCATIONS: usize = 0;
 pub(crate) const ALLOCATED_BYTES: usize = 1;
@@ -187,7 +190,13 @@ impl ShardInner {
     #[inline]
     pub(crate) fn push(&mut self, b: FreeBlock) {
         let class = floor_log2(b.size);
-        self.free[class].push(Reverse((b.address, b.size, b.id as u64)));
+        let heap = &mut self.free[class];
+        if heap.capacity() == 0 {
+            // Room for several blocks at once, so the hot first entries of different shards'
+            // lists never share a cache line (small heap buffers sit next to each other).
+            heap.reserve(HEAP_START);
+        }
+        heap.push(Reverse((b.address, b.size, b.id as u64)));
         self.nonempty |= 1u64 << class;
     }
 
