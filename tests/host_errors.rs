@@ -91,6 +91,8 @@ struct Flaky {
     inner: Arc<SimDriver>,
     fail_pin: std::sync::atomic::AtomicBool,
     fail_record: std::sync::atomic::AtomicBool,
+    /// Registrations allowed before they start failing.
+    registrations_left: std::sync::atomic::AtomicU64,
 }
 
 impl Driver for Flaky {
@@ -142,6 +144,13 @@ impl Driver for Flaky {
         self.inner.host_free(ptr)
     }
     fn host_register(&self, ptr: usize, size: usize) -> Result<()> {
+        let left = self.registrations_left.load(Ordering::Relaxed);
+        if left == 0 {
+            return Err(Error::Driver(
+                "CUDA_ERROR_OUT_OF_MEMORY: cannot lock pages".into(),
+            ));
+        }
+        self.registrations_left.store(left - 1, Ordering::Relaxed);
         self.inner.host_register(ptr, size)
     }
     fn host_unregister(&self, ptr: usize) -> Result<()> {
@@ -149,14 +158,19 @@ impl Driver for Flaky {
     }
 }
 
-fn flaky() -> (Arc<Flaky>, HostAllocator) {
+fn flaky_with(config: &Config) -> (Arc<Flaky>, HostAllocator) {
     let driver = Arc::new(Flaky {
         inner: SimDriver::shared(1, 1 << 30).unwrap(),
         fail_pin: false.into(),
         fail_record: false.into(),
+        registrations_left: u64::MAX.into(),
     });
-    let host = HostAllocator::new(driver.clone(), &Config::default());
+    let host = HostAllocator::new(driver.clone(), config);
     (driver, host)
+}
+
+fn flaky() -> (Arc<Flaky>, HostAllocator) {
+    flaky_with(&Config::default())
 }
 
 #[test]
@@ -192,4 +206,32 @@ fn a_block_whose_event_cannot_be_recorded_is_never_reused() {
     // The failed free freed the allocation as far as the caller is concerned.
     assert_eq!(host.stats().allocations.current, 1);
     host.free(b.ptr, None).unwrap();
+}
+
+#[test]
+fn a_failed_registration_undoes_the_chunks_already_registered() {
+    let config = Config {
+        pinned_use_host_register: true,
+        ..Config::default()
+    };
+    let (driver, host) = flaky_with(&config);
+    let host = host.with_register_chunk(1 << 20);
+    driver.registrations_left.store(2, Ordering::Relaxed);
+    let e = host.malloc(4 << 20).unwrap_err();
+    assert!(matches!(e, Error::Driver(_)), "{e}");
+    let c = &driver.inner.counters;
+    assert_eq!(c.host_register.load(Ordering::Relaxed), 2);
+    assert_eq!(c.host_unregister.load(Ordering::Relaxed), 2);
+    let s = host.stats();
+    assert_eq!(
+        (
+            s.reserved_bytes.current,
+            s.allocations.current,
+            s.driver_allocations
+        ),
+        (0, 0, 0)
+    );
+    driver.registrations_left.store(u64::MAX, Ordering::Relaxed);
+    let a = host.malloc(4 << 20).unwrap();
+    host.free(a.ptr, None).unwrap();
 }
