@@ -13,12 +13,12 @@
 //! - [`HostAllocator::empty_cache`] returns every free block to the driver.
 //!
 //! Layout of the module:
-//! - [`arena`]: blocks, named by small ids, readable without a lock;
-//! - [`table`]: the lock-free pointer → block index;
-//! - [`shard`]: per-thread free lists and counters, the only lock of the cached path;
-//! - [`events`]: the event pool and the queue of events guarding freed blocks;
-//! - [`pinning`]: driver allocation or registration of ordinary pages;
-//! - [`stats`]: the statistics snapshot;
+//! - `arena.rs`: blocks, named by small ids, readable without a lock;
+//! - `table.rs`: the lock-free pointer → block index;
+//! - `shard.rs`: per-thread free lists and counters, the only lock of the cached path;
+//! - `events.rs`: the event pool and the queue of events guarding freed blocks;
+//! - `pinning.rs`: driver allocation or registration of ordinary pages;
+//! - `stats.rs`: the statistics snapshot;
 //! - `alloc.rs`, `free.rs`, `release.rs`: the operations.
 
 mod alloc;
