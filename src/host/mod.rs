@@ -6,7 +6,9 @@
 //!
 //! - a request is rounded up to a power of two and served by a free block of at least that
 //!   size, the smallest first and then the lowest address; only when none is free is new
-//!   memory pinned through the [`Driver`];
+//!   memory pinned through the [`Driver`]. The cached path looks only at the calling
+//!   thread's shard, for a block of exactly the rounded size (lowest address first); when it
+//!   has none, every shard is searched for the best fit before the driver is asked;
 //! - a block named in [`HostAllocator::record_event`] is, when freed, guarded by one event per
 //!   stream that used it and becomes reusable once all have completed. Events are polled by
 //!   later calls and never waited for;
