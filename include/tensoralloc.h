@@ -30,68 +30,6 @@ typedef struct CUstream_st CUstream_st;
 #define TENSORALLOC_STAT_LARGE_POOL 2
 
 /**
- * Number of size intervals of `roundup_power2_divisions`: below 2 MiB, then one per power of
- * two from 2 MiB to 32 GiB and above.
- */
-#define ROUNDUP_INTERVALS 16
-
-/**
- * Every block is a multiple of this many bytes.
- */
-#define MIN_BLOCK_SIZE 512
-
-/**
- * Requests up to this size come from the small pool.
- */
-#define SMALL_SIZE (1 << 20)
-
-/**
- * Segment size of the small pool.
- */
-#define SMALL_BUFFER (2 << 20)
-
-/**
- * Segment size of the large pool for requests under [`MIN_LARGE_ALLOC`].
- */
-#define LARGE_BUFFER (20 << 20)
-
-/**
- * Large requests from this size on get a segment of their own size (rounded to [`ROUND_LARGE`]).
- */
-#define MIN_LARGE_ALLOC (10 << 20)
-
-/**
- * Rounding of segments for large requests.
- */
-#define ROUND_LARGE (2 << 20)
-
-/**
- * Larger requests are rejected as absurd: no device has a petabyte, and sizes near
- * `SIZE_MAX` are usually negative numbers cast to `size_t`.
- */
-#define MAX_REQUEST (1 << 50)
-
-/**
- * Number of [`StatKind`]s.
- */
-#define KINDS 9
-
-/**
- * Index of the oversize-allocation counter among tracked statistics.
- */
-#define OVERSIZE_ALLOCATIONS (KINDS * 3)
-
-/**
- * Index of the oversize-segment counter among tracked statistics.
- */
-#define OVERSIZE_SEGMENTS ((KINDS * 3) + 1)
-
-/**
- * Number of tracked statistics (each with current, peak, allocated, freed).
- */
-#define TRACKED ((KINDS * 3) + 2)
-
-/**
  * Status returned by tensoralloc functions that do not return a pointer: 0 on success, and
  * otherwise one of the `TENSORALLOC_ERR_*` values; `tensoralloc_last_error()` says why.
  */
