@@ -75,6 +75,7 @@ impl Driver for Probing {
         self.inner.event_record(device, event, stream)
     }
     fn event_query(&self, device: usize, event: Event) -> Result<bool> {
+        self.probe("event_query");
         self.inner.event_query(device, event)
     }
     fn event_synchronize(&self, device: usize, event: Event) -> Result<()> {

@@ -4,7 +4,8 @@
 //! Events are created and destroyed only through [`EventPool::take`] (no lock held while the
 //! driver creates one) and at teardown, never while a lock that allocation needs is held.
 //! The queues are polled from the allocation path with `try_lock`, so a thread that finds
-//! another one polling goes on without waiting.
+//! another one polling goes on without waiting, and no lock is held across an event query,
+//! so a free that queues events never waits for one either.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -67,6 +68,8 @@ impl EventPool {
 /// completes in order, so only the oldest event of each stream needs asking.
 pub(crate) struct EventQueue {
     queues: Mutex<Vec<(Stream, VecDeque<Guard>)>>,
+    /// Held by the thread that polls.
+    poller: Mutex<()>,
     /// Events in the queues: the allocation path reads this before touching the lock.
     count: AtomicUsize,
 }
@@ -79,6 +82,7 @@ impl EventQueue {
     pub(crate) fn new() -> EventQueue {
         EventQueue {
             queues: Mutex::new(Vec::new()),
+            poller: Mutex::new(()),
             count: AtomicUsize::new(0),
         }
     }
@@ -101,8 +105,8 @@ impl EventQueue {
     /// Asks each stream's oldest events whether they completed. Each completed event goes
     /// back to `pool` and is reported to `complete`, which returns true when it was the
     /// block's last event; those block ids are written to `freed`, at most `freed.len()`, which
-    /// bounds the work of one call. With `wait == false` a busy queue is skipped. Returns the
-    /// number of ids written.
+    /// bounds the work of one call. With `wait == false` the call returns at once when another
+    /// thread is polling. Returns the number of ids written.
     pub(crate) fn poll(
         &self,
         driver: &dyn Driver,
@@ -111,33 +115,46 @@ impl EventQueue {
         freed: &mut [u32],
         mut complete: impl FnMut(u32) -> bool,
     ) -> usize {
-        let mut queues = if wait {
-            self.queues.lock()
+        // One poller at a time: it alone removes entries, so the oldest event it copied out
+        // is still first when it comes back to remove it.
+        let _poller = if wait {
+            self.poller.lock()
         } else {
-            match self.queues.try_lock() {
-                Some(q) => q,
+            match self.poller.try_lock() {
+                Some(p) => p,
                 None => return 0,
             }
         };
         let mut n = 0;
-        'streams: for (_, queue) in queues.iter_mut() {
-            while let Some(&guard) = queue.front() {
-                if n == freed.len() {
-                    break 'streams;
-                }
-                // Still running, or the driver cannot say: the block stays guarded.
-                if !matches!(driver.event_query(guard.device, guard.event), Ok(true)) {
+        let mut stream = 0;
+        while n < freed.len() {
+            // The queue lock is held only to look and to remove, never across a driver call,
+            // so a free that queues an event never waits for a query.
+            let oldest = {
+                let queues = self.queues.lock();
+                let Some((_, queue)) = queues.get(stream) else {
                     break;
-                }
-                queue.pop_front();
-                self.count.fetch_sub(1, Ordering::Relaxed);
-                pool.put(guard.device, guard.event);
-                if complete(guard.block) {
-                    freed[n] = guard.block;
-                    n += 1;
-                }
+                };
+                queue.front().copied()
+            };
+            let Some(guard) = oldest else {
+                stream += 1;
+                continue;
+            };
+            // Still running, or the driver cannot say: the block stays guarded.
+            if !matches!(driver.event_query(guard.device, guard.event), Ok(true)) {
+                stream += 1;
+                continue;
+            }
+            self.queues.lock()[stream].1.pop_front();
+            self.count.fetch_sub(1, Ordering::Relaxed);
+            pool.put(guard.device, guard.event);
+            if complete(guard.block) {
+                freed[n] = guard.block;
+                n += 1;
             }
         }
+        let mut queues = self.queues.lock();
         if queues.len() > KEEP_STREAMS {
             queues.retain(|(_, q)| !q.is_empty());
         }
