@@ -9,6 +9,10 @@
 //! machine shared with other work, wall time includes time the threads were not running. In
 //! `host_threads_cpu_per_pair/N` each of N threads measures its own CPU time per pair; if
 //! the threads shared a lock or a written cache line, that time would grow with N.
+//!
+//! `host_threads_control/N` runs the same harness with thread-private arithmetic instead of
+//! the allocator: its throughput ratio between N and 1 threads is what the machine itself
+//! allows, the ceiling for the allocator's ratio.
 
 use std::hint::black_box;
 use std::sync::{Arc, Barrier};
@@ -86,19 +90,44 @@ fn cached_pair(c: &mut Criterion) {
 /// Wall time for `threads` threads to each do `iters` cached pairs, started together, and the
 /// mean CPU time of those threads.
 fn churn(host: &Arc<HostAllocator>, threads: usize, iters: u64) -> (Duration, Duration) {
+    let host = host.clone();
+    in_threads(threads, iters, move || {
+        let blk = host.malloc(black_box(SIZE)).unwrap();
+        host.free(black_box(blk.ptr), Some(blk.ctx)).unwrap();
+    })
+}
+
+/// Thread-private work of about the cost of a cached pair: the control for `churn`.
+fn control(threads: usize, iters: u64) -> Duration {
+    in_threads(threads, iters, || {
+        let mut x = black_box(1u64);
+        for _ in 0..96 {
+            x = black_box(x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1));
+        }
+        black_box(x);
+    })
+    .0
+}
+
+/// Runs `work` `iters` times on each of `threads` threads started together; returns the wall
+/// time and the threads' mean CPU time.
+fn in_threads(
+    threads: usize,
+    iters: u64,
+    work: impl Fn() + Clone + Send + 'static,
+) -> (Duration, Duration) {
     let start = Arc::new(Barrier::new(threads + 1));
     let done = Arc::new(Barrier::new(threads + 1));
     let handles: Vec<_> = (0..threads)
         .map(|_| {
-            let (host, start, done) = (host.clone(), start.clone(), done.clone());
+            let (work, start, done) = (work.clone(), start.clone(), done.clone());
             std::thread::spawn(move || {
-                let warm = host.malloc(SIZE).unwrap();
-                host.free(warm.ptr, Some(warm.ctx)).unwrap();
+                // Warm up: the first call on a thread may take a slow path.
+                work();
                 start.wait();
                 let t0 = thread_cpu();
                 for _ in 0..iters {
-                    let blk = host.malloc(black_box(SIZE)).unwrap();
-                    host.free(black_box(blk.ptr), Some(blk.ctx)).unwrap();
+                    work();
                 }
                 let cpu = thread_cpu() - t0;
                 done.wait();
@@ -122,6 +151,12 @@ fn threads(c: &mut Criterion) {
         g.bench_function(format!("{n}"), |b| {
             b.iter_custom(|iters| churn(&host, n, iters).0)
         });
+    }
+    g.finish();
+    let mut g = c.benchmark_group("host_threads_control");
+    for n in [1usize, 2, 4] {
+        g.throughput(Throughput::Elements(n as u64));
+        g.bench_function(format!("{n}"), |b| b.iter_custom(|iters| control(n, iters)));
     }
     g.finish();
     let mut g = c.benchmark_group("host_threads_cpu_per_pair");
