@@ -101,7 +101,7 @@ fn churn(host: &Arc<HostAllocator>, threads: usize, iters: u64) -> (Duration, Du
 fn control(threads: usize, iters: u64) -> Duration {
     in_threads(threads, iters, || {
         let mut x = black_box(1u64);
-        for _ in 0..96 {
+        for _ in 0..18 {
             x = black_box(x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1));
         }
         black_box(x);
