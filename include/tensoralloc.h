@@ -139,6 +139,75 @@ typedef struct tensoralloc_device_stats {
 } tensoralloc_device_stats;
 
 /**
+ * Statistics of the pinned-host allocator. "Peak" values are the highest since the last
+ * `tensoralloc_host_reset_peak_stats`; accumulated values count since the last
+ * `tensoralloc_host_reset_accumulated_stats`. Sizes are bytes, times nanoseconds.
+ */
+typedef struct tensoralloc_host_stats {
+  /**
+   * Blocks handed out by `tensoralloc_host_malloc` and not yet freed.
+   */
+  uint64_t allocations_current;
+  /**
+   * Peak of `allocations_current`.
+   */
+  uint64_t allocations_peak;
+  /**
+   * Blocks that cannot be handed out: allocated, or freed but waiting for the streams that
+   * used them (`tensoralloc_host_record_event`).
+   */
+  uint64_t active_blocks_current;
+  /**
+   * Peak of `active_blocks_current`.
+   */
+  uint64_t active_blocks_peak;
+  /**
+   * Bytes of allocated blocks (each rounded up to a power of two).
+   */
+  uint64_t allocated_bytes_current;
+  /**
+   * Peak of `allocated_bytes_current`.
+   */
+  uint64_t allocated_bytes_peak;
+  /**
+   * Bytes of pinned memory held from the driver: active and cached blocks.
+   */
+  uint64_t reserved_bytes_current;
+  /**
+   * Peak of `reserved_bytes_current`.
+   */
+  uint64_t reserved_bytes_peak;
+  /**
+   * Free blocks in the cache, ready for reuse.
+   */
+  uint64_t cached_blocks;
+  /**
+   * Pinned ranges obtained from the driver (accumulated).
+   */
+  uint64_t driver_allocations;
+  /**
+   * Pinned ranges returned to the driver (accumulated).
+   */
+  uint64_t driver_frees;
+  /**
+   * Time spent obtaining pinned memory from the driver, in total (accumulated).
+   */
+  uint64_t pin_time_total_ns;
+  /**
+   * Longest single pinning call (accumulated).
+   */
+  uint64_t pin_time_max_ns;
+  /**
+   * Time spent returning pinned memory to the driver, in total (accumulated).
+   */
+  uint64_t unpin_time_total_ns;
+  /**
+   * Longest single unpinning call (accumulated).
+   */
+  uint64_t unpin_time_max_ns;
+} tensoralloc_host_stats;
+
+/**
  * The call succeeded.
  */
 #define TENSORALLOC_OK 0
@@ -270,6 +339,77 @@ tensoralloc_status tensoralloc_reset_accumulated_stats(int device);
  * usable.
  */
 int tensoralloc_device_count(void);
+
+/**
+ * Allocates `size` bytes of pinned (page-locked) host memory, rounded up to a power of two,
+ * from tensoralloc's cache, pinning new memory through the driver only when no cached block
+ * is large enough.
+ *
+ * If `ctx` is not NULL, `*ctx` receives a context that identifies the block to
+ * `tensoralloc_host_free` and `tensoralloc_host_record_event` without a lookup (PyTorch's
+ * `DataPtr` context); it is only meaningful to tensoralloc.
+ *
+ * Returns the address, owned by the caller until passed to `tensoralloc_host_free`. A 0-byte
+ * request returns NULL (and `*ctx = NULL`) with an empty last error. Returns NULL (and
+ * `*ctx = NULL`) with a last error on an absurd size, no usable driver, or when the driver
+ * cannot pin more memory even after the cache was returned to it.
+ */
+void *tensoralloc_host_malloc(size_t size, void **ctx);
+
+/**
+ * Returns `ptr`, from `tensoralloc_host_malloc`, to the cache. `ctx` is the context that
+ * `tensoralloc_host_malloc` gave, or NULL to find the block by address (a context that does
+ * not belong to `ptr` is ignored the same way).
+ *
+ * If streams used the block (`tensoralloc_host_record_event`), an event is recorded on each
+ * and the block is reused only after all of them have completed; this call never waits.
+ *
+ * Freeing NULL does nothing. A pointer that is not a live block of this allocator (never
+ * allocated, already freed, inside a block) changes nothing and sets the last error. If an
+ * event cannot be recorded, the block is kept out of the cache for good (a stream may still
+ * read it) and the last error says so.
+ */
+void tensoralloc_host_free(void *ptr, void *ctx);
+
+/**
+ * Records that `stream` uses the pinned block `ptr` (`ctx` as given by
+ * `tensoralloc_host_malloc`, or NULL), so that when the block is freed it is not reused
+ * before the work queued on `stream` up to the free has completed. Any pointer may be passed.
+ *
+ * Returns true if `ptr` is a live block of this allocator. Returns false, changing nothing,
+ * for any other pointer (not pinned by tensoralloc, or already freed); the last error stays
+ * empty, since that is not a failure. Returns false with a last error when no driver is
+ * usable.
+ */
+bool tensoralloc_host_record_event(void *ptr, void *ctx, CUstream_st *stream);
+
+/**
+ * Returns every free cached pinned block to the driver, after moving blocks whose stream
+ * events have completed back into the cache (without waiting for the others). Blocks in use,
+ * and freed blocks whose streams are still running, are kept. On failure the last error says
+ * why; the other blocks are still released.
+ */
+void tensoralloc_host_empty_cache(void);
+
+/**
+ * Copies the pinned-host allocator's statistics into `*out` (owned by the caller).
+ *
+ * Returns `TENSORALLOC_OK`, or an error status with a last error when `out` is NULL or no
+ * driver is usable; `*out` is then unchanged.
+ */
+tensoralloc_status tensoralloc_host_get_stats(struct tensoralloc_host_stats *out);
+
+/**
+ * Sets every peak of the pinned-host statistics to its current value. On failure (no usable
+ * driver) the last error says why.
+ */
+void tensoralloc_host_reset_peak_stats(void);
+
+/**
+ * Zeroes the accumulated pinned-host statistics: `driver_allocations`, `driver_frees` and
+ * the pinning and unpinning times. On failure (no usable driver) the last error says why.
+ */
+void tensoralloc_host_reset_accumulated_stats(void);
 
 /**
  * Holds `stream` on the simulated device: events recorded on it from now on stay pending (as

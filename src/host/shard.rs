@@ -1,0 +1,329 @@
+//! Shards: the cached path's only lock.
+//!
+//! Each thread is given a home shard (threads are spread round-robin, so up to as many
+//! threads as shards never share one). A shard owns free blocks, one min-heap per size class
+//! ordered by address, and the counters of the blocks it handed out. Shards are padded to
+//! separate cache lines, so threads that allocate and free on their own shards share no
+//! written memory.
+//!
+//! Peaks of sharded counters stay exact with a reservation scheme: every shard has a limit
+//! per counter, the limits add up to the recorded peak, and a shard may grow a counter only
+//! up to its limit. Only when a shard would pass its limit does the allocator lock every shard
+//! and move unused headroom from other shards to it, raising the peak by what is still
+//! missing (`HostAllocator::rebalance`). While no counter passes its limit, the sum cannot
+//! pass the peak, so the cached path never looks at other shards.
+
+use std::cell::Cell;
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
+/// Size classes: a block of `size` bytes is in class `floor(log2(size))`.
+pub(crate) const CLASSES: usize = usize::BITS as usize;
+
+/// Entries a free list makes room for when first used (16 × 24 bytes).
+const HEAP_START: usize = 16;
+
+/// Counters kept per shard.
+pub(crate) const ALLOCATIONS: usize = 0;
+pub(crate) const ALLOCATED_BYTES: usize = 1;
+pub(crate) const ACTIVE_BLOCKS: usize = 2;
+pub(crate) const COUNTERS: usize = 3;
+
+pub(crate) type Counts = [i64; COUNTERS];
+
+/// The shard lock: a spinlock, because a shard is nearly always taken by its own thread and
+/// held for a few instructions. Taking it is one compare-and-swap and releasing it a plain
+/// store (a general-purpose mutex releases with a second compare-and-swap, a large share of
+/// the cached path's cost). A waiter spins briefly, then yields its time slice.
+pub(crate) struct RawSpin(AtomicBool);
+
+// SAFETY: `lock` returns only after changing the flag from false to true with Acquire, and
+// `unlock` stores false with Release, so at most one holder exists and its writes are seen
+// by the next one.
+unsafe impl lock_api::RawMutex for RawSpin {
+    #[allow(clippy::declare_interior_mutable_const)]
+    const INIT: RawSpin = RawSpin(AtomicBool::new(false));
+    type GuardMarker = lock_api::GuardSend;
+
+    #[inline]
+    fn lock(&self) {
+        if self.try_lock() {
+            return;
+        }
+        let mut spins = 0u32;
+        loop {
+            // Wait on a plain load so waiters do not take the line from the holder.
+            while self.0.load(Ordering::Relaxed) {
+                if spins < 64 {
+                    std::hint::spin_loop();
+                    spins += 1;
+                } else {
+                    std::thread::yield_now();
+                }
+            }
+            if self.try_lock() {
+                return;
+            }
+        }
+    }
+
+    #[inline]
+    fn try_lock(&self) -> bool {
+        self.0
+            .compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed)
+            .is_ok()
+    }
+
+    #[inline]
+    unsafe fn unlock(&self) {
+        self.0.store(false, Ordering::Release);
+    }
+}
+
+/// A mutex over [`RawSpin`].
+pub(crate) type SpinMutex<T> = lock_api::Mutex<RawSpin, T>;
+
+/// A shard, on its own cache lines.
+#[repr(align(128))]
+pub(crate) struct Shard {
+    pub(crate) inner: SpinMutex<ShardInner>,
+}
+
+pub(crate) struct ShardInner {
+    /// Bit `c` is set when `free[c]` is not empty.
+    nonempty: u64,
+    /// Free blocks per class, smallest address first: `(address, size, id)`. The id is
+    /// widened to 64 bits so an entry is written and read as whole words (a narrower field
+    /// made the heap's read-back miss store forwarding on the cached path).
+    free: [BinaryHeap<Reverse<(usize, usize, u64)>>; CLASSES],
+    /// Current values of the counters for blocks whose home is this shard.
+    pub(crate) counts: Counts,
+    /// How far each counter may grow before the peak must be checked.
+    pub(crate) limits: Counts,
+}
+
+impl Shard {
+    pub(crate) fn new() -> Shard {
+        Shard {
+            inner: SpinMutex::new(ShardInner {
+                nonempty: 0,
+                free: std::array::from_fn(|_| BinaryHeap::new()),
+                counts: [0; COUNTERS],
+                limits: [0; COUNTERS],
+            }),
+        }
+    }
+}
+
+/// A free block as a shard lists it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct FreeBlock {
+    pub(crate) address: usize,
+    pub(crate) size: usize,
+    pub(crate) id: u32,
+}
+
+impl ShardInner {
+    /// Takes the lowest-addressed free block of `class` if it holds at least `need` bytes.
+    #[inline]
+    pub(crate) fn pop_fit(&mut self, class: usize, need: usize) -> Option<FreeBlock> {
+        let heap = &mut self.free[class];
+        let &Reverse((address, size, id)) = heap.peek()?;
+        if size < need {
+            return None;
+        }
+        heap.pop();
+        if heap.is_empty() {
+            self.nonempty &= !(1u64 << class);
+        }
+        Some(FreeBlock {
+            address,
+            size,
+            id: id as u32,
+        })
+    }
+
+    /// The best free block for `need` bytes: the smallest, then the lowest address. With
+    /// `uniform` (every block of a class has the same size, as with power-of-two rounding)
+    /// each class's first block is its best.
+    pub(crate) fn best_fit(&self, need: usize, uniform: bool) -> Option<FreeBlock> {
+        let mut mask = self.nonempty & u64::MAX.checked_shl(floor_log2(need) as u32).unwrap_or(0);
+        while mask != 0 {
+            let class = mask.trailing_zeros() as usize;
+            mask &= mask - 1;
+            let heap = &self.free[class];
+            let best = if uniform {
+                heap.peek()
+                    .map(|r| r.0)
+                    .filter(|&(_, size, _)| size >= need)
+            } else {
+                heap.iter()
+                    .map(|r| r.0)
+                    .filter(|&(_, size, _)| size >= need)
+                    .min_by_key(|&(address, size, _)| (size, address))
+            };
+            if let Some((address, size, id)) = best {
+                return Some(FreeBlock {
+                    address,
+                    size,
+                    id: id as u32,
+                });
+            }
+        }
+        None
+    }
+
+    /// Removes the free block `b` (found by `best_fit`); false if it is no longer here.
+    pub(crate) fn remove(&mut self, b: &FreeBlock) -> bool {
+        let class = floor_log2(b.size);
+        let heap = &mut self.free[class];
+        let before = heap.len();
+        heap.retain(|r| r.0 .2 != b.id as u64);
+        if heap.is_empty() {
+            self.nonempty &= !(1u64 << class);
+        }
+        heap.len() != before
+    }
+
+    /// Adds a free block.
+    #[inline]
+    pub(crate) fn push(&mut self, b: FreeBlock) {
+        let class = floor_log2(b.size);
+        let heap = &mut self.free[class];
+        if heap.capacity() == 0 {
+            // Room for several blocks at once, so the hot first entries of different shards'
+            // lists never share a cache line (small heap buffers sit next to each other).
+            heap.reserve(HEAP_START);
+        }
+        heap.push(Reverse((b.address, b.size, b.id as u64)));
+        self.nonempty |= 1u64 << class;
+    }
+
+    /// Removes every free block, handing each to `f`.
+    pub(crate) fn drain(&mut self, mut f: impl FnMut(FreeBlock)) {
+        for heap in self.free.iter_mut() {
+            for Reverse((address, size, id)) in heap.drain() {
+                f(FreeBlock {
+                    address,
+                    size,
+                    id: id as u32,
+                });
+            }
+        }
+        self.nonempty = 0;
+    }
+
+    /// Number of free blocks.
+    pub(crate) fn free_blocks(&self) -> usize {
+        self.free.iter().map(BinaryHeap::len).sum()
+    }
+
+    /// Whether adding `delta` keeps every counter within its limit.
+    pub(crate) fn fits(&self, delta: &Counts) -> bool {
+        (0..COUNTERS).all(|c| delta[c] <= 0 || self.counts[c] + delta[c] <= self.limits[c])
+    }
+
+    pub(crate) fn apply(&mut self, delta: &Counts) {
+        for (count, d) in self.counts.iter_mut().zip(delta) {
+            *count += d;
+        }
+    }
+}
+
+/// `floor(log2(n))` for `n > 0`: the class of a block of `n` bytes.
+pub(crate) fn floor_log2(n: usize) -> usize {
+    (usize::BITS - 1 - n.max(1).leading_zeros()) as usize
+}
+
+static NEXT_THREAD: AtomicUsize = AtomicUsize::new(0);
+
+thread_local! {
+    static THREAD_INDEX: Cell<usize> = const { Cell::new(usize::MAX) };
+}
+
+/// A small number that is different for each of the first threads to ask: threads are
+/// numbered in the order they first allocate.
+pub(crate) fn thread_index() -> usize {
+    THREAD_INDEX
+        .try_with(|cell| {
+            let i = cell.get();
+            if i != usize::MAX {
+                return i;
+            }
+            let i = NEXT_THREAD.fetch_add(1, Ordering::Relaxed);
+            cell.set(i);
+            i
+        })
+        // During thread teardown: any shard is correct, only slower.
+        .unwrap_or(0)
+}
+
+/// How many shards an allocator makes: twice the hardware threads, at least 4, at most 64.
+pub(crate) fn shard_count() -> usize {
+    let cpus = std::thread::available_parallelism().map_or(4, |n| n.get());
+    (cpus * 2).next_power_of_two().clamp(4, 64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn block(address: usize, size: usize, id: u32) -> FreeBlock {
+        FreeBlock { address, size, id }
+    }
+
+    #[test]
+    fn best_fit_is_the_smallest_block_that_fits_then_the_lowest_address() {
+        let s = Shard::new();
+        let mut g = s.inner.lock();
+        assert_eq!(g.best_fit(1, true), None);
+        g.push(block(0x10_0000, 1 << 20, 1));
+        g.push(block(0x9000, 4096, 2));
+        g.push(block(0x3000, 4096, 3));
+        assert_eq!(g.best_fit(4096, true), Some(block(0x3000, 4096, 3)));
+        assert_eq!(g.best_fit(4097, true), Some(block(0x10_0000, 1 << 20, 1)));
+        assert_eq!(g.best_fit((1 << 20) + 1, true), None);
+    }
+
+    #[test]
+    fn best_fit_without_uniform_classes_skips_blocks_too_small() {
+        let s = Shard::new();
+        let mut g = s.inner.lock();
+        g.push(block(0x1000, 5 * 4096, 1));
+        g.push(block(0x9_0000, 7 * 4096, 2));
+        g.push(block(0x5_0000, 6 * 4096, 3));
+        assert_eq!(
+            g.best_fit(6 * 4096, false),
+            Some(block(0x5_0000, 6 * 4096, 3))
+        );
+        assert!(g.remove(&block(0x5_0000, 6 * 4096, 3)));
+        assert!(!g.remove(&block(0x5_0000, 6 * 4096, 3)));
+        assert_eq!(
+            g.best_fit(6 * 4096, false),
+            Some(block(0x9_0000, 7 * 4096, 2))
+        );
+    }
+
+    #[test]
+    fn a_class_hands_out_its_lowest_address_first() {
+        let s = Shard::new();
+        let mut g = s.inner.lock();
+        g.push(block(0x9000, 4096, 1));
+        g.push(block(0x3000, 4096, 2));
+        g.push(block(0x5000, 4096, 3));
+        assert_eq!(g.pop_fit(12, 4096).map(|b| b.id), Some(2));
+        assert_eq!(g.pop_fit(12, 4096).map(|b| b.id), Some(3));
+        assert_eq!(g.pop_fit(12, 4096).map(|b| b.id), Some(1));
+        assert_eq!(g.pop_fit(12, 4096), None);
+        assert_eq!(g.best_fit(1, true), None);
+    }
+
+    #[test]
+    fn floor_log2_names_the_class() {
+        assert_eq!(floor_log2(1), 0);
+        assert_eq!(floor_log2(4096), 12);
+        assert_eq!(floor_log2(4097), 12);
+        assert_eq!(floor_log2(usize::MAX), 63);
+    }
+}
