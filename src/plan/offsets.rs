@@ -1,0 +1,421 @@
+//! Heuristic offset planners: PyTorch's event-order best fit (the baseline), and greedy
+//! placement among the already placed allocations one is live with, under several orderings;
+//! [`Problem::best`] keeps the smallest of them all.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::{Duration, Instant};
+
+use super::{Algorithm, OffsetPlan, Problem};
+
+/// Inputs with at most this many nonzero allocations get an exact search inside `Best`.
+const BEST_SEARCH_LIMIT: usize = 14;
+/// Time the exact search may take inside `Best`.
+const BEST_SEARCH_BUDGET: Duration = Duration::from_millis(2);
+/// Time the `Exact` algorithm may take.
+const EXACT_SEARCH_BUDGET: Duration = Duration::from_secs(1);
+
+/// Which allocation the greedy planner places first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Order {
+    Size,
+    Breadth,
+    Area,
+    Lifetime,
+    Time,
+}
+
+impl Order {
+    pub(crate) const ALL: [Order; 5] = [
+        Order::Size,
+        Order::Breadth,
+        Order::Area,
+        Order::Lifetime,
+        Order::Time,
+    ];
+
+    pub(crate) fn of(algorithm: Algorithm) -> Order {
+        match algorithm {
+            Algorithm::GreedyByBreadth => Order::Breadth,
+            Algorithm::GreedyByArea => Order::Area,
+            Algorithm::GreedyByLifetime => Order::Lifetime,
+            Algorithm::GreedyByTime => Order::Time,
+            _ => Order::Size,
+        }
+    }
+}
+
+/// The conflict graph over the nonzero allocations. With the allocations ranked by first use,
+/// the neighbours of `i` that start at or after it are a run of ranks (those starting before
+/// its last use), and the ones that start before it are the allocations still live when it
+/// starts: only the latter are stored, in one sweep, half the graph and written in order.
+pub(crate) struct Conflicts {
+    /// Nonzero allocations by (first use, index).
+    by_first: Vec<u32>,
+    /// Rank of each allocation in `by_first` (unused for zero-sized ones).
+    rank: Vec<u32>,
+    /// `by_first[rank + 1..later_end[rank]]` start during the allocation's lifetime.
+    later_end: Vec<u32>,
+    /// `earlier[earlier_start[rank]..earlier_start[rank + 1]]` started before it and are live
+    /// when it starts.
+    earlier_start: Vec<usize>,
+    earlier: Vec<u32>,
+    /// Indices of the allocations with a nonzero size, ascending.
+    pub(crate) nonzero: Vec<u32>,
+}
+
+impl Conflicts {
+    pub(crate) fn of(p: &Problem) -> Conflicts {
+        let nonzero: Vec<u32> = (0..p.len() as u32)
+            .filter(|&i| p.sizes[i as usize] > 0)
+            .collect();
+        let mut by_first = nonzero.clone();
+        by_first.sort_unstable_by_key(|&i| (p.first[i as usize], i));
+        let mut rank = vec![u32::MAX; p.len()];
+        for (r, &i) in by_first.iter().enumerate() {
+            rank[i as usize] = r as u32;
+        }
+        let firsts: Vec<u64> = by_first.iter().map(|&i| p.first[i as usize]).collect();
+        let later_end = by_first
+            .iter()
+            .map(|&i| firsts.partition_point(|&f| f <= p.last[i as usize]) as u32)
+            .collect();
+        let mut earlier_start = Vec::with_capacity(by_first.len() + 1);
+        let mut earlier = Vec::new();
+        let mut active: Vec<u32> = Vec::new();
+        for &i in &by_first {
+            let first = p.first[i as usize];
+            active.retain(|&j| p.last[j as usize] >= first);
+            earlier_start.push(earlier.len());
+            earlier.extend_from_slice(&active);
+            active.push(i);
+        }
+        earlier_start.push(earlier.len());
+        Conflicts {
+            by_first,
+            rank,
+            later_end,
+            earlier_start,
+            earlier,
+            nonzero,
+        }
+    }
+
+    /// The allocations live at some time step together with nonzero allocation `i`.
+    pub(crate) fn of_alloc(&self, i: usize) -> impl Iterator<Item = u32> + '_ {
+        let r = self.rank[i] as usize;
+        let earlier = &self.earlier[self.earlier_start[r]..self.earlier_start[r + 1]];
+        let later = &self.by_first[r + 1..self.later_end[r] as usize];
+        earlier.iter().chain(later).copied()
+    }
+}
+
+/// Scratch space reused across greedy passes.
+struct Greedy {
+    offsets: Vec<u64>,
+    placed: Vec<bool>,
+    neighbours: Vec<(u64, u64)>,
+    keys: Vec<u64>,
+}
+
+impl Problem {
+    /// PyTorch's plan (seed `CPUProfilingAllocator.cpp`), as it was meant to work: events in
+    /// time order (at one time step, allocations before frees, since lifetimes are inclusive),
+    /// each allocation in the smallest free gap that holds it (lowest offset among equals), or
+    /// else at the end of the arena, which then grows; a free merges with the gaps on both
+    /// sides. Unlike the original, equal-sized gaps do not replace each other and no entry is
+    /// read after it is erased.
+    pub(crate) fn pytorch(&self) -> OffsetPlan {
+        let mut events: Vec<(u64, u8, u32)> = Vec::with_capacity(2 * self.len());
+        for i in 0..self.len() {
+            if self.sizes[i] > 0 {
+                events.push((self.first[i], 0, i as u32));
+                events.push((self.last[i], 1, i as u32));
+            }
+        }
+        events.sort_unstable();
+        let mut offsets = vec![0u64; self.len()];
+        let mut by_size: BTreeSet<(u64, u64)> = BTreeSet::new();
+        let mut by_start: BTreeMap<u64, u64> = BTreeMap::new();
+        let mut arena = 0u64;
+        for (_, kind, i) in events {
+            let i = i as usize;
+            let size = self.sizes[i];
+            if kind == 0 {
+                let fit = by_size.range((size, 0)..).next().copied();
+                offsets[i] = match fit {
+                    Some((gap, start)) => {
+                        by_size.remove(&(gap, start));
+                        by_start.remove(&start);
+                        if gap > size {
+                            by_size.insert((gap - size, start + size));
+                            by_start.insert(start + size, gap - size);
+                        }
+                        start
+                    }
+                    None => {
+                        arena += size;
+                        arena - size
+                    }
+                };
+            } else {
+                let (mut start, mut len) = (offsets[i], size);
+                if let Some(after) = by_start.remove(&(start + len)) {
+                    by_size.remove(&(after, start + len));
+                    len += after;
+                }
+                let before = by_start.range(..start).next_back().map(|(&s, &l)| (s, l));
+                if let Some((s, l)) = before {
+                    if s + l == start {
+                        by_start.remove(&s);
+                        by_size.remove(&(l, s));
+                        start = s;
+                        len += l;
+                    }
+                }
+                by_start.insert(start, len);
+                by_size.insert((len, start));
+            }
+        }
+        OffsetPlan {
+            offsets,
+            arena_size: arena,
+        }
+    }
+
+    /// One greedy pass in the given order.
+    pub(crate) fn greedy(&self, order: Order) -> OffsetPlan {
+        let conflicts = Conflicts::of(self);
+        let sequence = self.sequence(order, &conflicts.nonzero);
+        self.greedy_pass(&conflicts, &sequence, &mut self.scratch())
+    }
+
+    fn scratch(&self) -> Greedy {
+        Greedy {
+            offsets: vec![0; self.len()],
+            placed: vec![false; self.len()],
+            neighbours: Vec::new(),
+            keys: Vec::new(),
+        }
+    }
+
+    /// Places the allocations of `sequence` one by one, each in the smallest gap (lowest among
+    /// equals) left by the already placed allocations it is live with, or on top of them.
+    fn greedy_pass(&self, conflicts: &Conflicts, sequence: &[u32], g: &mut Greedy) -> OffsetPlan {
+        g.offsets.iter_mut().for_each(|o| *o = 0);
+        g.placed.iter_mut().for_each(|p| *p = false);
+        let mut arena = 0u64;
+        for &i in sequence {
+            let i = i as usize;
+            let size = self.sizes[i];
+            g.neighbours.clear();
+            for j in conflicts.of_alloc(i) {
+                let j = j as usize;
+                if g.placed[j] {
+                    g.neighbours
+                        .push((g.offsets[j], g.offsets[j] + self.sizes[j]));
+                }
+            }
+            sort_by_start(&mut g.neighbours, &mut g.keys);
+            let mut top = 0u64;
+            let mut best: Option<(u64, u64)> = None;
+            for &(start, end) in &g.neighbours {
+                if start >= top + size {
+                    let gap = start - top;
+                    if best.map_or(true, |(g, _)| gap < g) {
+                        best = Some((gap, top));
+                        if gap == size {
+                            break;
+                        }
+                    }
+                }
+                top = top.max(end);
+            }
+            let offset = best.map_or(top, |(_, at)| at);
+            g.offsets[i] = offset;
+            g.placed[i] = true;
+            arena = arena.max(offset + size);
+        }
+        OffsetPlan {
+            offsets: g.offsets.clone(),
+            arena_size: arena,
+        }
+    }
+
+    /// The nonzero allocations in the order `order` places them.
+    fn sequence(&self, order: Order, nonzero: &[u32]) -> Vec<u32> {
+        let mut seq = nonzero.to_vec();
+        let len = |i: usize| self.last[i] - self.first[i];
+        match order {
+            Order::Size => seq.sort_unstable_by_key(|&i| {
+                let i = i as usize;
+                (std::cmp::Reverse((self.sizes[i], len(i))), self.first[i], i)
+            }),
+            Order::Area => seq.sort_unstable_by_key(|&i| {
+                let i = i as usize;
+                let area = u128::from(self.sizes[i]) * (u128::from(len(i)) + 1);
+                (std::cmp::Reverse((area, self.sizes[i])), self.first[i], i)
+            }),
+            Order::Lifetime => seq.sort_unstable_by_key(|&i| {
+                let i = i as usize;
+                (std::cmp::Reverse((len(i), self.sizes[i])), self.first[i], i)
+            }),
+            Order::Time => seq.sort_unstable_by_key(|&i| {
+                let i = i as usize;
+                (self.first[i], std::cmp::Reverse(self.sizes[i]), i)
+            }),
+            Order::Breadth => {
+                let key = self.breadth_keys(nonzero);
+                seq.sort_unstable_by_key(|&i| {
+                    let (breadth, step) = key[i as usize];
+                    (
+                        std::cmp::Reverse(breadth),
+                        step,
+                        std::cmp::Reverse(self.sizes[i as usize]),
+                        i,
+                    )
+                });
+            }
+        }
+        seq
+    }
+
+    /// For each allocation, the most bytes live at one time step of its lifetime, and the
+    /// first such step (as an index into the sorted distinct first uses).
+    fn breadth_keys(&self, nonzero: &[u32]) -> Vec<(u64, usize)> {
+        // Live bytes only grow where an allocation starts, so the maximum over a lifetime is
+        // reached at a first use inside it.
+        let mut steps: Vec<u64> = nonzero.iter().map(|&i| self.first[i as usize]).collect();
+        steps.sort_unstable();
+        steps.dedup();
+        let mut delta_start = vec![0u64; steps.len()];
+        let mut delta_end = vec![0u64; steps.len() + 1];
+        for &i in nonzero {
+            let i = i as usize;
+            let s = steps.partition_point(|&t| t < self.first[i]);
+            let e = steps.partition_point(|&t| t <= self.last[i]);
+            delta_start[s] += self.sizes[i];
+            delta_end[e] += self.sizes[i];
+        }
+        let mut breadth = Vec::with_capacity(steps.len());
+        let mut live = 0u64;
+        for k in 0..steps.len() {
+            live = live + delta_start[k] - delta_end[k];
+            breadth.push(live);
+        }
+        let table = SparseMax::new(&breadth);
+        let mut keys = vec![(0, 0); self.len()];
+        for &i in nonzero {
+            let i = i as usize;
+            let s = steps.partition_point(|&t| t < self.first[i]);
+            let e = steps.partition_point(|&t| t <= self.last[i]);
+            keys[i] = table.max(s, e);
+        }
+        keys
+    }
+
+    /// The smallest plan among PyTorch's and every greedy order; for small inputs, then an
+    /// exact search (with `exhaustive`, a longer one whatever the size).
+    pub(crate) fn best(&self, exhaustive: bool) -> OffsetPlan {
+        let bound = self.lower_bound();
+        let mut best = self.pytorch();
+        if best.arena_size > bound {
+            let conflicts = Conflicts::of(self);
+            let mut scratch = self.scratch();
+            for order in Order::ALL {
+                let sequence = self.sequence(order, &conflicts.nonzero);
+                let plan = self.greedy_pass(&conflicts, &sequence, &mut scratch);
+                if plan.arena_size < best.arena_size {
+                    best = plan;
+                    if best.arena_size == bound {
+                        break;
+                    }
+                }
+            }
+            let budget = if exhaustive {
+                Some(EXACT_SEARCH_BUDGET)
+            } else if conflicts.nonzero.len() <= BEST_SEARCH_LIMIT {
+                Some(BEST_SEARCH_BUDGET)
+            } else {
+                None
+            };
+            if let Some(budget) = budget {
+                if best.arena_size > bound {
+                    best = self.branch_and_bound(&conflicts, best, bound, Instant::now() + budget);
+                }
+            }
+        }
+        best
+    }
+}
+
+/// Range-maximum queries over a fixed array, answering with the value and its first index.
+struct SparseMax {
+    levels: Vec<Vec<(u64, usize)>>,
+}
+
+impl SparseMax {
+    fn new(values: &[u64]) -> SparseMax {
+        let mut levels = vec![values
+            .iter()
+            .enumerate()
+            .map(|(k, &v)| (v, k))
+            .collect::<Vec<_>>()];
+        let better = |a: (u64, usize), b: (u64, usize)| if b.0 > a.0 { b } else { a };
+        let mut width = 1;
+        while 2 * width <= values.len() {
+            let prev = levels.last().expect("one level at least");
+            let next = (0..=values.len() - 2 * width)
+                .map(|k| better(prev[k], prev[k + width]))
+                .collect();
+            levels.push(next);
+            width *= 2;
+        }
+        SparseMax { levels }
+    }
+
+    /// Maximum over `values[s..e]` (`s < e`).
+    fn max(&self, s: usize, e: usize) -> (u64, usize) {
+        let level = (usize::BITS - 1 - (e - s).leading_zeros()) as usize;
+        let a = self.levels[level][s];
+        let b = self.levels[level][e - (1 << level)];
+        if b.0 > a.0 {
+            b
+        } else {
+            a
+        }
+    }
+}
+
+/// Sorts intervals by start. Sorting plain integers is about twice as fast as sorting pairs,
+/// so when the starts fit in 40 bits (after dropping the alignment's zero bits, which `sizes`
+/// share) each key packs a start with the interval's position.
+fn sort_by_start(intervals: &mut Vec<(u64, u64)>, keys: &mut Vec<u64>) {
+    const SLOT_BITS: u32 = 24;
+    let n = intervals.len();
+    let shift = intervals
+        .iter()
+        .fold(0u64, |acc, &(s, _)| acc | s)
+        .trailing_zeros()
+        .min(63);
+    let fits = n < (1 << SLOT_BITS)
+        && intervals
+            .iter()
+            .all(|&(s, _)| (s >> shift) < (1u64 << (64 - SLOT_BITS)));
+    if !fits || n < 16 {
+        intervals.sort_unstable();
+        return;
+    }
+    keys.clear();
+    keys.extend(
+        intervals
+            .iter()
+            .enumerate()
+            .map(|(k, &(s, _))| ((s >> shift) << SLOT_BITS) | k as u64),
+    );
+    keys.sort_unstable();
+    let ends: Vec<(u64, u64)> = keys
+        .iter()
+        .map(|&key| intervals[(key & ((1 << SLOT_BITS) - 1)) as usize])
+        .collect();
+    intervals.copy_from_slice(&ends);
+}
