@@ -7,15 +7,192 @@
 #include <stddef.h>
 #include <stdint.h>
 
-/** A CUDA stream: the same type as cudaStream_t and CUstream, so this header mixes with NVIDIA's. */
-struct CUstream_st;
+/**
+ * A CUDA stream. `CUstream_st *` is the same type as `cudaStream_t` and `CUstream`, so this
+ * header needs no CUDA header and mixes with NVIDIA's. NULL is the legacy default stream.
+ */
+typedef struct CUstream_st CUstream_st;
 
+
+/**
+ * Column of a `tensoralloc_stat` array that covers both pools.
+ */
+#define TENSORALLOC_STAT_AGGREGATE 0
+
+/**
+ * Column of a `tensoralloc_stat` array for the small pool (blocks up to 1 MiB).
+ */
+#define TENSORALLOC_STAT_SMALL_POOL 1
+
+/**
+ * Column of a `tensoralloc_stat` array for the large pool (blocks over 1 MiB).
+ */
+#define TENSORALLOC_STAT_LARGE_POOL 2
+
+/**
+ * Every block is a multiple of this many bytes.
+ */
+#define MIN_BLOCK_SIZE 512
+
+/**
+ * Requests up to this size come from the small pool.
+ */
+#define SMALL_SIZE (1 << 20)
+
+/**
+ * Segment size of the small pool.
+ */
+#define SMALL_BUFFER (2 << 20)
+
+/**
+ * Segment size of the large pool for requests under [`MIN_LARGE_ALLOC`].
+ */
+#define LARGE_BUFFER (20 << 20)
+
+/**
+ * Large requests from this size on get a segment of their own size (rounded to [`ROUND_LARGE`]).
+ */
+#define MIN_LARGE_ALLOC (10 << 20)
+
+/**
+ * Rounding of segments for large requests.
+ */
+#define ROUND_LARGE (2 << 20)
+
+/**
+ * Larger requests are rejected as absurd: no device has a petabyte, and sizes near
+ * `SIZE_MAX` are usually negative numbers cast to `size_t`.
+ */
+#define MAX_REQUEST (1 << 50)
+
+/**
+ * Number of [`StatKind`]s.
+ */
+#define KINDS 9
+
+/**
+ * Index of the oversize-allocation counter among tracked statistics.
+ */
+#define OVERSIZE_ALLOCATIONS (KINDS * 3)
+
+/**
+ * Index of the oversize-segment counter among tracked statistics.
+ */
+#define OVERSIZE_SEGMENTS ((KINDS * 3) + 1)
+
+/**
+ * Number of tracked statistics (each with current, peak, allocated, freed).
+ */
+#define TRACKED ((KINDS * 3) + 2)
 
 /**
  * Status returned by tensoralloc functions that do not return a pointer: 0 on success, and
  * otherwise one of the `TENSORALLOC_ERR_*` values; `tensoralloc_last_error()` says why.
  */
 typedef int tensoralloc_status;
+
+/**
+ * One statistic.
+ */
+typedef struct tensoralloc_stat {
+  /**
+   * Value now.
+   */
+  int64_t current;
+  /**
+   * Highest value since the last `tensoralloc_reset_peak_stats`.
+   */
+  int64_t peak;
+  /**
+   * Total added since the last `tensoralloc_reset_accumulated_stats`.
+   */
+  int64_t allocated;
+  /**
+   * Total removed since the last `tensoralloc_reset_accumulated_stats`.
+   */
+  int64_t freed;
+} tensoralloc_stat;
+
+/**
+ * Statistics of one device, as PyTorch's `torch.cuda.memory_stats` reports them. Each array
+ * is indexed by `TENSORALLOC_STAT_AGGREGATE`, `TENSORALLOC_STAT_SMALL_POOL` and
+ * `TENSORALLOC_STAT_LARGE_POOL`. Sizes are bytes.
+ */
+typedef struct tensoralloc_device_stats {
+  /**
+   * Allocations handed to clients.
+   */
+  struct tensoralloc_stat allocation[3];
+  /**
+   * Segments obtained from the driver (`cuMemAlloc`).
+   */
+  struct tensoralloc_stat segment[3];
+  /**
+   * Active blocks: allocated, or freed but still in use by a stream (`record_stream`).
+   */
+  struct tensoralloc_stat active[3];
+  /**
+   * Free blocks inside split segments (cached, but not returnable to the driver).
+   */
+  struct tensoralloc_stat inactive_split[3];
+  /**
+   * Bytes allocated to clients (sizes rounded up to 512 B).
+   */
+  struct tensoralloc_stat allocated_bytes[3];
+  /**
+   * Bytes reserved from the driver (allocated plus cached).
+   */
+  struct tensoralloc_stat reserved_bytes[3];
+  /**
+   * Bytes in active blocks.
+   */
+  struct tensoralloc_stat active_bytes[3];
+  /**
+   * Bytes in inactive split blocks.
+   */
+  struct tensoralloc_stat inactive_split_bytes[3];
+  /**
+   * Bytes clients asked for (before rounding).
+   */
+  struct tensoralloc_stat requested_bytes[3];
+  /**
+   * Driver allocations that failed and were retried after freeing the cache.
+   */
+  int64_t num_alloc_retries;
+  /**
+   * Allocations that failed with out-of-memory even after freeing the cache.
+   */
+  int64_t num_ooms;
+  /**
+   * Allocations of blocks of at least `max_split_size` bytes.
+   */
+  struct tensoralloc_stat oversize_allocations;
+  /**
+   * Segments of at least `max_split_size` bytes.
+   */
+  struct tensoralloc_stat oversize_segments;
+  /**
+   * Times the allocator waited for all outstanding stream events before freeing segments.
+   */
+  int64_t num_sync_all_streams;
+  /**
+   * Segments obtained from the driver.
+   */
+  int64_t num_device_alloc;
+  /**
+   * Segments returned to the driver.
+   */
+  int64_t num_device_free;
+  /**
+   * Blocks of at least this many bytes are never split (`max_split_size_mb`); -1 = no limit.
+   */
+  int64_t max_split_size;
+  /**
+   * Frees of pointers that were not live allocations (unknown or already freed); each was
+   * ignored without changing anything.
+   */
+  int64_t num_invalid_frees;
+} tensoralloc_device_stats;
 
 /**
  * The call succeeded.
@@ -68,6 +245,111 @@ extern "C" {
  * thread's next tensoralloc call; copy it to keep it.
  */
 const char *tensoralloc_last_error(void);
+
+/**
+ * Allocates `size` bytes of memory on device `device` for use on `stream` (NULL is the legacy
+ * default stream). The memory is reused only by allocations on the same stream unless
+ * `tensoralloc_record_stream` says otherwise. The signature is PyTorch's
+ * `CUDAPluggableAllocator` allocation function.
+ *
+ * Returns the address, owned by the caller until passed to `tensoralloc_free`. Returns NULL
+ * with an empty last error when `size` is 0. Returns NULL with a last error on an absurd size
+ * (over 1 PiB, e.g. a negative number cast to `size_t`), a device index that does not exist,
+ * no usable driver, or out of memory (after returning the cache to the driver and retrying;
+ * the message gives the device's capacity, its free memory, and what tensoralloc holds).
+ */
+void *tensoralloc_malloc(size_t size, int device, CUstream_st *stream);
+
+/**
+ * Frees memory returned by `tensoralloc_malloc`. `size`, `device` and `stream` are those given
+ * at allocation (PyTorch's `CUDAPluggableAllocator` free function passes them); the pointer
+ * alone decides what is freed, so a wrong `size` or `stream` does no harm. The memory returns
+ * to tensoralloc's cache; if other streams used it (`tensoralloc_record_stream`), only once
+ * their work queued so far has completed.
+ *
+ * Freeing NULL does nothing. Freeing a pointer that is not a live allocation (never
+ * allocated, already freed, or inside a block) changes nothing: the last error says so, the
+ * device's `num_invalid_frees` counts it, and the first one prints a warning on stderr.
+ */
+void tensoralloc_free(void *ptr, size_t size, int device, CUstream_st *stream);
+
+/**
+ * Marks the allocation `ptr` as used by `stream` (PyTorch's `record_stream`): when it is
+ * freed, it is not reused until the work queued on `stream` up to that free has completed.
+ * Recording the allocation's own stream does nothing.
+ *
+ * On an unknown pointer nothing changes and the last error says why.
+ */
+void tensoralloc_record_stream(void *ptr, CUstream_st *stream);
+
+/**
+ * Returns every cached, unused segment of every device to the driver, after waiting for the
+ * stream work that deferred frees are waiting on. Live allocations are untouched.
+ * PyTorch's pluggable-allocator reset hook. On failure the last error says why.
+ */
+void tensoralloc_empty_cache(void);
+
+/**
+ * Initializes tensoralloc for `device_count` devices (PyTorch's pluggable-allocator init
+ * hook). Optional: the first allocation initializes too. Selects the driver
+ * (`TENSORALLOC_DRIVER`) and reads the configuration (`TENSORALLOC_CONF`). On failure (no
+ * driver, bad configuration, more devices than the driver has, a negative count) the last
+ * error says why and later calls fail with the same reason.
+ */
+void tensoralloc_init(int device_count);
+
+/**
+ * Copies device `device`'s statistics into `*out` (owned by the caller). Reading statistics
+ * never blocks allocation.
+ *
+ * Returns `TENSORALLOC_OK`, or an error status with a last error when `out` is NULL, the
+ * device does not exist, or no driver is usable; `*out` is then unchanged.
+ */
+tensoralloc_status tensoralloc_get_device_stats(int device, struct tensoralloc_device_stats *out);
+
+/**
+ * Sets every peak statistic of device `device` to its current value.
+ * Returns `TENSORALLOC_OK`, or an error status with a last error for a bad device.
+ */
+tensoralloc_status tensoralloc_reset_peak_stats(int device);
+
+/**
+ * Zeroes the accumulated statistics of device `device`: every `allocated` and `freed` total,
+ * and the counters `num_alloc_retries`, `num_ooms`, `num_sync_all_streams`,
+ * `num_device_alloc`, `num_device_free`, `num_invalid_frees`.
+ * Returns `TENSORALLOC_OK`, or an error status with a last error for a bad device.
+ */
+tensoralloc_status tensoralloc_reset_accumulated_stats(int device);
+
+/**
+ * Number of devices tensoralloc can allocate on, or -1 with a last error when no driver is
+ * usable.
+ */
+int tensoralloc_device_count(void);
+
+/**
+ * Holds `stream` on the simulated device: events recorded on it from now on stay pending (as
+ * if a long kernel were running) until `tensoralloc_sim_release_stream`. Lets tests keep
+ * deferred frees (`tensoralloc_record_stream`) waiting.
+ * Returns `TENSORALLOC_OK`, or an error status with a last error when the simulated device is
+ * not in use.
+ */
+tensoralloc_status tensoralloc_sim_hold_stream(CUstream_st *stream);
+
+/**
+ * Releases a stream held by `tensoralloc_sim_hold_stream`: every event recorded on it
+ * completes. Returns `TENSORALLOC_OK`, or an error status with a last error when the
+ * simulated device is not in use.
+ */
+tensoralloc_status tensoralloc_sim_release_stream(CUstream_st *stream);
+
+/**
+ * Bytes of simulated device memory that the driver has handed out on `device` (segments
+ * tensoralloc holds), written to `*out` (owned by the caller). Lets tests prove that nothing
+ * leaks. Returns `TENSORALLOC_OK`, or an error status with a last error when `out` is NULL,
+ * the device does not exist, or the simulated device is not in use.
+ */
+tensoralloc_status tensoralloc_sim_device_used(int32_t device, uint64_t *out);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -6,13 +6,16 @@ use std::sync::Arc;
 use once_cell::sync::OnceCell;
 
 use crate::config::Config;
-use crate::driver::{self, Driver};
+use crate::device::DeviceAllocator;
+use crate::driver::{self, sim::SimDriver, Backend, Driver};
 use crate::error::{Error, Result};
 
 /// Process-wide state.
 pub struct Runtime {
     driver: Arc<dyn Driver>,
+    sim: Option<Arc<SimDriver>>,
     config: Config,
+    devices: Box<[OnceCell<DeviceAllocator>]>,
 }
 
 static RUNTIME: OnceCell<std::result::Result<Runtime, Error>> = OnceCell::new();
@@ -21,14 +24,25 @@ impl Runtime {
     /// The process-wide runtime, built on first use from the environment
     /// (`TENSORALLOC_DRIVER`, `TENSORALLOC_CONF`...). A failure (no driver, bad configuration)
     /// is remembered and returned by every later call.
+    #[inline]
     pub fn get() -> Result<&'static Runtime> {
-        RUNTIME.get_or_init(Runtime::from_env).as_ref().map_err(Clone::clone)
+        match RUNTIME.get() {
+            Some(r) => r.as_ref().map_err(Clone::clone),
+            None => RUNTIME.get_or_init(Runtime::from_env).as_ref().map_err(Clone::clone),
+        }
     }
 
     fn from_env() -> Result<Runtime> {
         let config = Config::from_env()?;
-        let driver = driver::from_env()?;
-        Ok(Runtime { driver, config })
+        let (driver, sim): (Arc<dyn Driver>, _) = match Backend::from_env()? {
+            Backend::Sim => {
+                let sim = Arc::new(SimDriver::from_env()?);
+                (sim.clone(), Some(sim))
+            }
+            Backend::Cuda => (driver::from_env()?, None),
+        };
+        let count = driver.device_count()?;
+        Ok(Runtime { driver, sim, config, devices: (0..count).map(|_| OnceCell::new()).collect() })
     }
 
     /// The driver every allocator of the process uses.
@@ -36,8 +50,55 @@ impl Runtime {
         &self.driver
     }
 
+    /// The simulated driver, when `TENSORALLOC_DRIVER=sim` selected it.
+    pub fn sim(&self) -> Option<&Arc<SimDriver>> {
+        self.sim.as_ref()
+    }
+
     /// The parsed configuration.
     pub fn config(&self) -> &Config {
         &self.config
+    }
+
+    /// How many devices the driver has.
+    pub fn device_count(&self) -> usize {
+        self.devices.len()
+    }
+
+    /// The caching allocator of device `index`, made on first use.
+    #[inline]
+    pub fn device(&self, index: usize) -> Result<&DeviceAllocator> {
+        let cell = self.devices.get(index).ok_or_else(|| self.bad_device(index as i64))?;
+        match cell.get() {
+            Some(d) => Ok(d),
+            None => cell.get_or_try_init(|| DeviceAllocator::new(self.driver.clone(), index, &self.config)),
+        }
+    }
+
+    /// The allocator of a device index given by a C caller (an `int`).
+    #[inline]
+    pub fn device_from_c(&self, index: i32) -> Result<&DeviceAllocator> {
+        if index < 0 {
+            return Err(self.bad_device(index as i64));
+        }
+        self.device(index as usize)
+    }
+
+    fn bad_device(&self, index: i64) -> Error {
+        Error::InvalidArgument(format!(
+            "device {index} does not exist: the {} driver has {} device(s), numbered from 0",
+            self.driver.name(),
+            self.devices.len()
+        ))
+    }
+
+    /// Allocators made so far.
+    pub fn devices(&self) -> impl Iterator<Item = &DeviceAllocator> {
+        self.devices.iter().filter_map(OnceCell::get)
+    }
+
+    /// The allocator whose segments contain `ptr`.
+    pub fn owner_of(&self, ptr: usize) -> Option<&DeviceAllocator> {
+        self.devices().find(|d| d.owns(ptr))
     }
 }

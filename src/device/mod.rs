@@ -1,1 +1,515 @@
-//! The caching device allocator.
+//! The caching device allocator: PyTorch's CUDACachingAllocator semantics over any [`Driver`].
+//!
+//! - Requests are rounded to 512 bytes; up to 1 MiB they come from the small pool (2 MiB
+//!   segments), above from the large pool (20 MiB segments under 10 MiB, else the request
+//!   rounded to 2 MiB). Free blocks are found best fit by size, then address; a block is split
+//!   when the rest is worth keeping; freed blocks merge with free neighbours.
+//! - A block belongs to the stream it was allocated on. After `record_stream` on other
+//!   streams, freeing it records an event on each, and it returns to its pool once they have
+//!   all completed (polled on later calls; the caller is never blocked).
+//! - When the driver is out of memory, every unused cached segment of the device is returned
+//!   (after waiting for outstanding events) and the request is retried once.
+//!
+//! The device is sharded by stream ([`shard`]): each stream has its own lock, pools and
+//! statistics, so threads working on different streams do not contend.
+
+mod events;
+pub mod shard;
+pub mod size;
+pub mod stats;
+mod table;
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::Arc;
+
+use parking_lot::{Mutex, RwLock};
+
+use crate::config::Config;
+use crate::driver::{Driver, Event, Stream};
+use crate::error::{Error, Result};
+use events::EventPool;
+use shard::{ShardInner, StatSink, State};
+use size::{format_bytes, round_size, segment_size, PoolKind, MAX_REQUEST};
+use stats::{DeviceCounters, DeviceStats, ShardStats, Stat, StatKind, TRACKED};
+use table::ShardTable;
+
+pub use stats::Stat as DeviceStat;
+
+/// One stream's share of a device.
+#[repr(align(128))]
+pub(crate) struct Shard {
+    stream: Stream,
+    index: u32,
+    inner: Mutex<ShardInner>,
+    stats: ShardStats,
+}
+
+/// The caching allocator of one device.
+pub struct DeviceAllocator {
+    device: usize,
+    driver: Arc<dyn Driver>,
+    max_split_size: usize,
+    gc_threshold: f64,
+    shards: ShardTable<Shard>,
+    /// Every segment of the device: start -> (size, shard index). Used to find the owner of a
+    /// pointer when the caller's stream hint is missing or wrong.
+    segments: RwLock<BTreeMap<usize, (usize, u32)>>,
+    events: EventPool,
+    counters: DeviceCounters,
+}
+
+/// Routes statistic changes of one shard to the device counters.
+struct Sink<'a> {
+    alloc: &'a DeviceAllocator,
+    shard: &'a Shard,
+}
+
+impl StatSink for Sink<'_> {
+    #[inline]
+    fn change(&mut self, index: usize, delta: i64) {
+        let alloc = self.alloc;
+        alloc.counters.change(&self.shard.stats, index, delta, |i| alloc.total_current(i));
+    }
+}
+
+static WARNED_INVALID_FREE: AtomicBool = AtomicBool::new(false);
+
+impl DeviceAllocator {
+    /// An allocator for `device` of `driver`.
+    pub fn new(driver: Arc<dyn Driver>, device: usize, config: &Config) -> Result<DeviceAllocator> {
+        let count = driver.device_count()?;
+        if device >= count {
+            return Err(Error::InvalidArgument(format!(
+                "device {device} does not exist: the {} driver has {count} device(s)",
+                driver.name()
+            )));
+        }
+        Ok(DeviceAllocator {
+            device,
+            driver,
+            max_split_size: config.max_split_size,
+            gc_threshold: config.garbage_collection_threshold,
+            shards: ShardTable::new(),
+            segments: RwLock::new(BTreeMap::new()),
+            events: EventPool::new(device),
+            counters: DeviceCounters::default(),
+        })
+    }
+
+    /// The device index.
+    pub fn device(&self) -> usize {
+        self.device
+    }
+
+    /// The driver.
+    pub fn driver(&self) -> &Arc<dyn Driver> {
+        &self.driver
+    }
+
+    fn shard(&self, stream: Stream) -> Result<&Shard> {
+        self.shards.get_or_insert(stream, |index| Shard {
+            stream,
+            index,
+            inner: Mutex::new(ShardInner::default()),
+            stats: ShardStats::default(),
+        })
+    }
+
+    fn sink<'a>(&'a self, shard: &'a Shard) -> Sink<'a> {
+        Sink { alloc: self, shard }
+    }
+
+    fn total_current(&self, index: usize) -> i64 {
+        self.shards.iter().map(|s| s.stats.cells[index].current.load(Relaxed)).sum()
+    }
+
+    /// Allocates `size` bytes for use on `stream`. Returns the address, or 0 for a size of 0.
+    pub fn malloc(&self, size: usize, stream: Stream) -> Result<usize> {
+        if size == 0 {
+            return Ok(0);
+        }
+        if size > MAX_REQUEST {
+            return Err(Error::InvalidArgument(if size > isize::MAX as usize {
+                format!("size {size} is absurd (a negative number passed as size_t?)")
+            } else {
+                format!("size {size} ({}) is larger than any device", format_bytes(size as u64))
+            }));
+        }
+        let rounded = round_size(size);
+        let pool = PoolKind::for_size(rounded);
+        let shard = self.shard(stream)?;
+        let mut retried = false;
+        loop {
+            let mut inner = shard.inner.lock();
+            if !inner.pending.is_empty() {
+                self.process_events(shard, &mut inner);
+            }
+            if let Some(id) = inner.take_best_fit(pool, rounded, self.max_split_size) {
+                return Ok(inner.allocate(id, rounded, size, self.max_split_size, &mut self.sink(shard)));
+            }
+            let seg = segment_size(rounded);
+            if self.gc_threshold > 0.0 {
+                self.collect_garbage(shard, &mut inner, seg);
+            }
+            match self.driver.mem_alloc(self.device, seg) {
+                Ok(addr) => {
+                    DeviceCounters::bump(&self.counters.num_device_alloc);
+                    self.segments.write().insert(addr, (seg, shard.index));
+                    let id = inner.add_segment(addr, seg, pool, self.max_split_size, &mut self.sink(shard));
+                    return Ok(inner.allocate(id, rounded, size, self.max_split_size, &mut self.sink(shard)));
+                }
+                Err(Error::OutOfMemory(_)) if !retried => {
+                    drop(inner);
+                    DeviceCounters::bump(&self.counters.num_alloc_retries);
+                    self.release_cached()?;
+                    retried = true;
+                }
+                Err(Error::OutOfMemory(_)) => {
+                    drop(inner);
+                    DeviceCounters::bump(&self.counters.num_ooms);
+                    return Err(self.out_of_memory(size));
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    fn out_of_memory(&self, size: usize) -> Error {
+        let stats = self.stats();
+        let allocated = stats.allocated_bytes[0].current.max(0) as u64;
+        let reserved = stats.reserved_bytes[0].current.max(0) as u64;
+        let device_text = match self.driver.mem_info(self.device) {
+            Ok(info) => format!(
+                "device {} has a total capacity of {} of which {} is free",
+                self.device,
+                format_bytes(info.total),
+                format_bytes(info.free)
+            ),
+            Err(e) => format!("device {} (capacity unknown: {e})", self.device),
+        };
+        Error::OutOfMemory(format!(
+            "tried to allocate {} on device {}; {device_text}. Of the memory in use, {} is allocated \
+             by tensoralloc and {} is reserved by tensoralloc but unallocated. If reserved but \
+             unallocated memory is large, try max_split_size_mb in TENSORALLOC_CONF to reduce fragmentation.",
+            format_bytes(size as u64),
+            self.device,
+            format_bytes(allocated),
+            format_bytes(reserved.saturating_sub(allocated)),
+        ))
+    }
+
+    /// Frees memory returned by [`DeviceAllocator::malloc`]. `stream_hint` is the stream it was
+    /// allocated on, if known (it makes the lookup direct). Freeing 0 does nothing. An unknown
+    /// or already freed pointer changes nothing and is reported (counted in
+    /// `num_invalid_frees`, warned about once on stderr).
+    pub fn free(&self, ptr: usize, stream_hint: Option<Stream>) -> Result<()> {
+        if self.try_free(ptr, stream_hint)? {
+            Ok(())
+        } else {
+            Err(self.invalid_free(ptr))
+        }
+    }
+
+    /// Like [`DeviceAllocator::free`], but a pointer this device does not have allocated
+    /// returns `Ok(false)` without being counted (the caller may try another device).
+    pub fn try_free(&self, ptr: usize, stream_hint: Option<Stream>) -> Result<bool> {
+        if ptr == 0 {
+            return Ok(true);
+        }
+        let mut found = None;
+        if let Some(shard) = stream_hint.and_then(|s| self.shards.get(s)) {
+            let mut inner = shard.inner.lock();
+            if let Some(id) = inner.unallocate(ptr, self.max_split_size, &mut self.sink(shard)) {
+                found = Some((shard, inner, id));
+            }
+        }
+        if found.is_none() {
+            if let Some(shard) = self.owner_of(ptr) {
+                let mut inner = shard.inner.lock();
+                if let Some(id) = inner.unallocate(ptr, self.max_split_size, &mut self.sink(shard)) {
+                    found = Some((shard, inner, id));
+                }
+            }
+        }
+        let Some((shard, inner, id)) = found else {
+            return Ok(false);
+        };
+        self.finish_free(shard, inner, id)?;
+        Ok(true)
+    }
+
+    fn finish_free(&self, shard: &Shard, mut inner: parking_lot::MutexGuard<'_, ShardInner>, id: u32) -> Result<()> {
+        let uses = std::mem::take(&mut inner.block_mut(id).stream_uses);
+        if uses.is_empty() {
+            inner.release(id, &mut self.sink(shard));
+            return Ok(());
+        }
+        // Events are taken from the pool (perhaps created) and recorded without the lock.
+        drop(inner);
+        let mut recorded: Vec<Event> = Vec::with_capacity(uses.len());
+        let mut failure = None;
+        for s in uses {
+            match self.events.get(&self.driver).and_then(|e| self.driver.event_record(self.device, e, s).map(|()| e)) {
+                Ok(e) => recorded.push(e),
+                Err(e) => failure = Some(e),
+            }
+        }
+        let mut inner = shard.inner.lock();
+        if let Some(e) = failure {
+            // Without its events the block cannot be proven idle: wait for the ones recorded,
+            // then keep it out of circulation only if even that is impossible.
+            eprintln!("tensoralloc: device {}: could not record a stream event ({e}); waiting for the recorded ones", self.device);
+            for ev in recorded.drain(..) {
+                let _ = self.driver.event_synchronize(self.device, ev);
+                self.events.put(ev);
+            }
+        }
+        if recorded.is_empty() {
+            inner.release(id, &mut self.sink(shard));
+        } else {
+            inner.block_mut(id).events_left = recorded.len() as u32;
+            inner.pending.extend(recorded.into_iter().map(|e| (e, id)));
+        }
+        Ok(())
+    }
+
+    /// Counts and reports a free of a pointer that no device has allocated.
+    pub fn invalid_free(&self, ptr: usize) -> Error {
+        DeviceCounters::bump(&self.counters.num_invalid_frees);
+        let message = format!(
+            "free of {ptr:#x} on device {}: not a live allocation of tensoralloc (never allocated, already freed, or not the start of a block); nothing was changed",
+            self.device
+        );
+        if !WARNED_INVALID_FREE.swap(true, Relaxed) {
+            eprintln!("tensoralloc: warning: {message} (further invalid frees are counted in num_invalid_frees without this warning)");
+        }
+        Error::UnknownPointer(message)
+    }
+
+    /// The shard whose segment contains `ptr`.
+    fn owner_of(&self, ptr: usize) -> Option<&Shard> {
+        let index = {
+            let segments = self.segments.read();
+            let (&start, &(size, index)) = segments.range(..=ptr).next_back()?;
+            if ptr >= start + size {
+                return None;
+            }
+            index
+        };
+        self.shards.by_index(index)
+    }
+
+    /// Whether `ptr` lies inside a segment of this device.
+    pub fn owns(&self, ptr: usize) -> bool {
+        self.owner_of(ptr).is_some()
+    }
+
+    /// Marks the allocation at `ptr` as used by `stream`: when it is freed, it is not reused
+    /// until the work queued on `stream` so far has completed.
+    pub fn record_stream(&self, ptr: usize, stream: Stream) -> Result<()> {
+        let unknown = || {
+            Error::UnknownPointer(format!(
+                "record_stream: {ptr:#x} is not a live allocation of tensoralloc on device {}",
+                self.device
+            ))
+        };
+        let shard = self.owner_of(ptr).ok_or_else(unknown)?;
+        if stream == shard.stream {
+            // The allocation stream is always waited for implicitly.
+            return shard.inner.lock().live.contains_key(&ptr).then_some(()).ok_or_else(unknown);
+        }
+        let mut inner = shard.inner.lock();
+        let id = *inner.live.get(&ptr).ok_or_else(unknown)?;
+        let uses = &mut inner.block_mut(id).stream_uses;
+        if !uses.contains(&stream) {
+            uses.push(stream);
+        }
+        Ok(())
+    }
+
+    /// Returns blocks whose events have completed to their pools.
+    fn process_events(&self, shard: &Shard, inner: &mut ShardInner) {
+        let mut i = 0;
+        while i < inner.pending.len() {
+            let (event, id) = inner.pending[i];
+            let done = match self.driver.event_query(self.device, event) {
+                Ok(done) => done,
+                Err(e) => {
+                    eprintln!("tensoralloc: device {}: event query failed ({e}); waiting for it", self.device);
+                    self.driver.event_synchronize(self.device, event).is_ok()
+                }
+            };
+            if !done {
+                i += 1;
+                continue;
+            }
+            inner.pending.swap_remove(i);
+            self.events.put(event);
+            self.event_done(shard, inner, id);
+        }
+    }
+
+    fn event_done(&self, shard: &Shard, inner: &mut ShardInner, id: u32) {
+        let b = inner.block_mut(id);
+        b.events_left -= 1;
+        if b.events_left == 0 {
+            inner.release(id, &mut self.sink(shard));
+        }
+    }
+
+    /// Waits for every outstanding event of `shard`, then returns its unused segments to the
+    /// driver. Returns the bytes released.
+    fn release_shard(&self, shard: &Shard, inner: &mut ShardInner) -> Result<usize> {
+        for (event, id) in std::mem::take(&mut inner.pending) {
+            self.driver.event_synchronize(self.device, event)?;
+            self.events.put(event);
+            self.event_done(shard, inner, id);
+        }
+        self.release_segments(shard, inner, usize::MAX)
+    }
+
+    /// Returns unused whole segments of `shard` to the driver until `goal` bytes are released.
+    fn release_segments(&self, shard: &Shard, inner: &mut ShardInner, goal: usize) -> Result<usize> {
+        let mut released = 0;
+        for id in inner.whole_free_segments() {
+            if released >= goal {
+                break;
+            }
+            let (addr, size) = (inner.block(id).addr, inner.block(id).size);
+            self.driver.mem_free(self.device, addr)?;
+            inner.remove_segment(id, self.max_split_size, &mut self.sink(shard));
+            self.segments.write().remove(&addr);
+            DeviceCounters::bump(&self.counters.num_device_free);
+            released += size;
+        }
+        Ok(released)
+    }
+
+    /// Before growing past the garbage-collection threshold, return this stream's unused
+    /// segments to the driver.
+    fn collect_garbage(&self, shard: &Shard, inner: &mut ShardInner, want: usize) {
+        let Ok(info) = self.driver.mem_info(self.device) else { return };
+        let reserved = self.total_current(stats::aggregate(StatKind::ReservedBytes)).max(0) as u64;
+        let limit = (info.total as f64 * self.gc_threshold) as u64;
+        if reserved + want as u64 > limit {
+            let _ = self.release_segments(shard, inner, (reserved + want as u64 - limit) as usize);
+        }
+    }
+
+    /// Waits for outstanding events and returns every unused cached segment to the driver,
+    /// one stream at a time.
+    fn release_cached(&self) -> Result<()> {
+        DeviceCounters::bump(&self.counters.num_sync_all_streams);
+        for shard in self.shards.iter() {
+            let mut inner = shard.inner.lock();
+            self.release_shard(shard, &mut inner)?;
+        }
+        Ok(())
+    }
+
+    /// Returns every unused cached segment to the driver (after waiting for outstanding events).
+    pub fn empty_cache(&self) -> Result<()> {
+        self.release_cached()
+    }
+
+    /// Polls outstanding events of every stream, returning finished blocks to their pools.
+    pub fn poll_events(&self) {
+        for shard in self.shards.iter() {
+            let mut inner = shard.inner.lock();
+            if !inner.pending.is_empty() {
+                self.process_events(shard, &mut inner);
+            }
+        }
+    }
+
+    /// The device's statistics. Never blocks allocation.
+    pub fn stats(&self) -> DeviceStats {
+        let mut out = DeviceStats::default();
+        for i in 0..TRACKED {
+            let mut s = Stat::default();
+            for shard in self.shards.iter() {
+                let c = &shard.stats.cells[i];
+                s.current += c.current.load(Relaxed);
+                s.allocated += c.allocated.load(Relaxed);
+                s.freed += c.freed.load(Relaxed);
+            }
+            s.peak = self.counters.peak[i].load(Relaxed).max(s.current);
+            out.set(i, s);
+        }
+        let c = &self.counters;
+        out.num_alloc_retries = c.num_alloc_retries.load(Relaxed);
+        out.num_ooms = c.num_ooms.load(Relaxed);
+        out.num_sync_all_streams = c.num_sync_all_streams.load(Relaxed);
+        out.num_device_alloc = c.num_device_alloc.load(Relaxed);
+        out.num_device_free = c.num_device_free.load(Relaxed);
+        out.num_invalid_frees = c.num_invalid_frees.load(Relaxed);
+        out.max_split_size = if self.max_split_size == usize::MAX { -1 } else { self.max_split_size as i64 };
+        out
+    }
+
+    /// Sets every peak to its current value.
+    pub fn reset_peak_stats(&self) {
+        let shards: Vec<&Shard> = self.shards.iter().collect();
+        let _guards: Vec<_> = shards.iter().map(|s| s.inner.lock()).collect();
+        for i in 0..TRACKED {
+            let mut total = 0;
+            for s in &shards {
+                let c = &s.stats.cells[i];
+                let cur = c.current.load(Relaxed);
+                c.local_peak.store(cur, Relaxed);
+                total += cur;
+            }
+            self.counters.sum_local_peaks[i].store(total, Relaxed);
+            self.counters.peak[i].store(total, Relaxed);
+        }
+    }
+
+    /// Zeroes the accumulated totals (`allocated`, `freed`) and the event counters
+    /// (retries, OOMs, syncs, driver allocations and frees, invalid frees).
+    pub fn reset_accumulated_stats(&self) {
+        let shards: Vec<&Shard> = self.shards.iter().collect();
+        let _guards: Vec<_> = shards.iter().map(|s| s.inner.lock()).collect();
+        for s in &shards {
+            for c in &s.stats.cells {
+                c.allocated.store(0, Relaxed);
+                c.freed.store(0, Relaxed);
+            }
+        }
+        let c = &self.counters;
+        for counter in [
+            &c.num_alloc_retries,
+            &c.num_ooms,
+            &c.num_sync_all_streams,
+            &c.num_device_alloc,
+            &c.num_device_free,
+            &c.num_invalid_frees,
+        ] {
+            counter.store(0, Relaxed);
+        }
+    }
+
+    /// Whether a block at `ptr` is currently allocated (for tests and diagnostics).
+    pub fn is_allocated(&self, ptr: usize) -> bool {
+        self.owner_of(ptr).is_some_and(|s| {
+            let inner = s.inner.lock();
+            inner.live.get(&ptr).is_some_and(|&id| inner.block(id).state == State::Allocated)
+        })
+    }
+}
+
+impl Drop for DeviceAllocator {
+    fn drop(&mut self) {
+        // The allocator owns its segments: return all of them, and every event.
+        for shard in self.shards.iter() {
+            let mut inner = shard.inner.lock();
+            for (event, _) in std::mem::take(&mut inner.pending) {
+                let _ = self.driver.event_destroy(self.device, event);
+            }
+        }
+        for (&addr, _) in self.segments.read().iter() {
+            let _ = self.driver.mem_free(self.device, addr);
+        }
+        self.events.destroy_all(&self.driver);
+    }
+}

@@ -1,0 +1,104 @@
+//! The generated header: committed, self-contained C99 and C++17, and compatible with
+//! NVIDIA's `cuda_runtime_api.h` (streams are `struct CUstream_st *`).
+
+mod support;
+
+use std::process::Command;
+
+use support::{cc, root, run};
+
+#[test]
+fn header_compiles_alone_as_c99() {
+    run(
+        Command::new(cc())
+            .args(["-std=c99", "-pedantic", "-Wall", "-Wextra", "-Werror", "-fsyntax-only", "-x", "c"])
+            .arg(root().join("include/tensoralloc.h")),
+        "compiling the header as C99",
+    );
+}
+
+#[test]
+fn header_compiles_alone_as_cpp17() {
+    let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".to_string());
+    run(
+        Command::new(cxx)
+            .args(["-std=c++17", "-pedantic", "-Wall", "-Wextra", "-Werror", "-fsyntax-only", "-x", "c++"])
+            .arg(root().join("include/tensoralloc.h")),
+        "compiling the header as C++17",
+    );
+}
+
+/// Where NVIDIA's CUDA headers are: `$CUDA_INCLUDE_DIR`, else `target/cuda-include`, which
+/// `scripts/fetch-cuda-headers` fills from the `nvidia-cuda-runtime` wheel.
+fn cuda_include_dir() -> std::path::PathBuf {
+    let dir = std::env::var_os("CUDA_INCLUDE_DIR")
+        .map(Into::into)
+        .unwrap_or_else(|| root().join("target/cuda-include"));
+    assert!(
+        dir.join("cuda_runtime_api.h").exists(),
+        "NVIDIA's cuda_runtime_api.h is not in {}: run scripts/fetch-cuda-headers (or set CUDA_INCLUDE_DIR)",
+        dir.display()
+    );
+    dir
+}
+
+#[test]
+fn header_mixes_with_nvidia_cuda_runtime_api() {
+    let cuda = cuda_include_dir();
+    let dir = std::env::temp_dir().join(format!("tensoralloc-header-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let tu = dir.join("mix.c");
+    // Assigning our functions to pointers of the types PyTorch's CUDAPluggableAllocator uses
+    // proves that the stream parameter is exactly cudaStream_t.
+    std::fs::write(
+        &tu,
+        r#"
+#include <cuda_runtime_api.h>
+#include <cuda.h>
+#include "tensoralloc.h"
+typedef void *(*alloc_fn)(size_t, int, cudaStream_t);
+typedef void (*free_fn)(void *, size_t, int, cudaStream_t);
+typedef void (*record_fn)(void *, cudaStream_t);
+alloc_fn a = tensoralloc_malloc;
+free_fn f = tensoralloc_free;
+record_fn r = tensoralloc_record_stream;
+void (*reset_fn)(void) = tensoralloc_empty_cache;
+void (*init_fn)(int) = tensoralloc_init;
+CUstream as_driver_stream(cudaStream_t s) { return s; }
+"#,
+    )
+    .unwrap();
+    for (compiler, std) in [(cc(), "-std=c99"), (std::env::var("CXX").unwrap_or_else(|_| "c++".into()), "-std=c++17")] {
+        let mut cmd = Command::new(compiler);
+        cmd.args([std, "-Wall", "-Werror", "-fsyntax-only"]);
+        if std.contains("++") {
+            cmd.args(["-x", "c++"]);
+        }
+        run(
+            cmd.arg("-I").arg(&cuda).arg("-I").arg(root().join("include")).arg(&tu),
+            "compiling the header with NVIDIA's cuda_runtime_api.h",
+        );
+    }
+}
+
+#[test]
+fn committed_header_matches_the_generated_one() {
+    let generated = std::fs::read_to_string(concat!(env!("OUT_DIR"), "/tensoralloc.h"))
+        .expect("build.rs writes the generated header to OUT_DIR");
+    let root = root();
+    if root.join(".git").exists() {
+        let committed = Command::new("git")
+            .args(["show", "HEAD:include/tensoralloc.h"])
+            .current_dir(&root)
+            .output()
+            .expect("git runs");
+        assert!(committed.status.success(), "include/tensoralloc.h is not committed");
+        assert!(
+            String::from_utf8_lossy(&committed.stdout) == generated,
+            "the committed include/tensoralloc.h differs from what build.rs generates: commit the regenerated header"
+        );
+    } else {
+        let on_disk = std::fs::read_to_string(root.join("include/tensoralloc.h")).unwrap();
+        assert_eq!(on_disk, generated);
+    }
+}
