@@ -9,6 +9,7 @@ use std::ffi::{c_char, c_int, CStr, CString};
 use crate::error::Error;
 
 pub mod device;
+pub mod plan;
 pub mod sim;
 
 /// A CUDA stream (`cudaStream_t`, `CUstream`). Opaque: tensoralloc only passes it to the driver

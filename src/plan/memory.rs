@@ -1,7 +1,9 @@
 //! Where the planners' memory comes from: the blob a plan is served from, and the ordinary
 //! allocations made while recording or when an iteration strays from its plan.
 
+use crate::driver::Stream;
 use crate::error::{Error, Result};
+use crate::runtime::Runtime;
 
 /// A source of memory for the planners. Implementations are thread-safe.
 pub trait MemorySource: Send + Sync {
@@ -42,5 +44,46 @@ impl MemorySource for HostMemory {
 
     fn describe(&self) -> String {
         "host".to_string()
+    }
+}
+
+/// Device memory from the caching device allocator of one device, on one stream.
+#[derive(Debug, Clone, Copy)]
+pub struct DeviceMemory {
+    device: usize,
+    stream: Stream,
+}
+
+impl DeviceMemory {
+    /// Memory of device `device` used on `stream`. Fails when the device does not exist or no
+    /// driver can be loaded.
+    pub fn new(device: usize, stream: Stream) -> Result<DeviceMemory> {
+        Runtime::get()?.device(device)?;
+        Ok(DeviceMemory { device, stream })
+    }
+}
+
+impl MemorySource for DeviceMemory {
+    fn allocate(&self, size: usize, alignment: usize) -> Result<usize> {
+        let allocator = Runtime::get()?.device(self.device)?;
+        let addr = allocator.malloc(size, self.stream)?;
+        if addr % alignment != 0 {
+            allocator.free(addr, Some(self.stream))?;
+            return Err(Error::InvalidArgument(format!(
+                "device {}: the caching allocator's blocks are not aligned to {alignment} bytes",
+                self.device
+            )));
+        }
+        Ok(addr)
+    }
+
+    fn deallocate(&self, addr: usize) -> Result<()> {
+        Runtime::get()?
+            .device(self.device)?
+            .free(addr, Some(self.stream))
+    }
+
+    fn describe(&self) -> String {
+        format!("device {}", self.device)
     }
 }

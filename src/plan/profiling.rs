@@ -148,10 +148,13 @@ pub struct ProfilingStats {
     pub plan_blob_bytes: u64,
     /// Bytes of the blob held now (the largest plan served so far).
     pub blob_bytes: u64,
-    /// Iterations recorded, validated, served.
+    /// Iterations recorded.
     pub recordings: u64,
+    /// Iterations validated.
     pub validations: u64,
+    /// Iterations validated that matched the plan.
     pub validations_matched: u64,
+    /// Iterations served.
     pub iterations_served: u64,
     /// Allocations served from the blob.
     pub served_from_blob: u64,

@@ -18,8 +18,11 @@ use crate::error::{Error, Result};
 /// is an output the client keeps after the iteration.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct StorageValue {
+    /// First time step (node) that uses the value.
     pub first_use: u64,
+    /// Last time step (node) that uses the value, inclusive.
     pub last_use: u64,
+    /// Whether the value is a managed output (own slot, kept until released).
     pub output: bool,
 }
 
@@ -135,6 +138,16 @@ impl StoragePlanner {
             running: false,
             stats,
         })
+    }
+
+    /// Number of values.
+    pub fn len(&self) -> usize {
+        self.homes.len()
+    }
+
+    /// Whether the planner has no values.
+    pub fn is_empty(&self) -> bool {
+        self.homes.is_empty()
     }
 
     /// The storage group of value `v` (`None` for an output, or an unknown value).
