@@ -72,6 +72,8 @@ pub struct StoragePlanner {
     buffer: usize,
     output_buffer: usize,
     running: bool,
+    /// An iteration with managed outputs ended and they are not released yet.
+    outputs_held: bool,
     stats: StorageStats,
 }
 
@@ -136,6 +138,7 @@ impl StoragePlanner {
             buffer: 0,
             output_buffer: 0,
             running: false,
+            outputs_held: false,
             stats,
         })
     }
@@ -165,14 +168,14 @@ impl StoragePlanner {
 
     /// Starts an iteration: allocates the intermediate buffer (when the groups have sizes) and
     /// the output buffer (when the outputs have sizes). Fails while an iteration runs, or
-    /// while the previous iteration's outputs are not released.
+    /// when the previous iteration made managed outputs that are not released yet.
     pub fn allocate(&mut self) -> Result<()> {
         if self.running {
             return Err(Error::InvalidArgument(
                 "an iteration is already running (deallocate ends it)".to_string(),
             ));
         }
-        if self.output_buffer != 0 {
+        if self.outputs_held {
             return Err(Error::InvalidArgument(
                 "the previous iteration's outputs are not released yet".to_string(),
             ));
@@ -263,6 +266,7 @@ impl StoragePlanner {
         self.stats.managed_bytes = self.groups.iter().map(|s| s.size).sum();
         self.give_back_buffer();
         self.running = false;
+        self.outputs_held = !self.outputs.is_empty();
         self.stats.iterations += 1;
         Ok(())
     }
@@ -287,6 +291,7 @@ impl StoragePlanner {
             self.output_buffer = 0;
         }
         self.outputs.iter_mut().for_each(|s| s.offset = None);
+        self.outputs_held = false;
         Ok(())
     }
 
