@@ -83,7 +83,8 @@ pub enum Algorithm {
     GreedyByLifetime,
     /// Allocation order (first use), each placed in the smallest gap among the live ones.
     GreedyByTime,
-    /// Branch and bound over all layouts, started from `Best`'s plan, under a time budget:
+    /// Branch and bound over all layouts, started from `Best`'s plan, under a work budget
+    /// (about a second):
     /// optimal when the search finishes, and never worse than `Best`.
     Exact,
 }

@@ -3,16 +3,19 @@
 //! [`Problem::best`] keeps the smallest of them all.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::time::{Duration, Instant};
 
 use super::{Algorithm, OffsetPlan, Problem};
 
 /// Inputs with at most this many nonzero allocations get an exact search inside `Best`.
 const BEST_SEARCH_LIMIT: usize = 14;
-/// Time the exact search may take inside `Best`.
-const BEST_SEARCH_BUDGET: Duration = Duration::from_millis(2);
-/// Time the `Exact` algorithm may take.
-const EXACT_SEARCH_BUDGET: Duration = Duration::from_secs(1);
+/// Search nodes the exact search may visit inside `Best` (about a millisecond). The budgets
+/// count work rather than time so that a plan does not depend on the machine's load.
+const BEST_SEARCH_NODES: u64 = 2_000;
+/// Search nodes the `Exact` algorithm may visit (about a second).
+const EXACT_SEARCH_NODES: u64 = 1_000_000;
+/// Neighbour visits `Best` spends on greedy orders after the first: each pass visits every
+/// allocation's conflicts, so dense inputs get fewer extra orders and stay fast.
+const BEST_GREEDY_WORK: usize = 6_000_000;
 
 /// Which allocation the greedy planner places first.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -100,12 +103,31 @@ impl Conflicts {
         }
     }
 
+    /// Neighbour visits of one greedy pass (each conflict seen from both ends).
+    pub(crate) fn visits(&self) -> usize {
+        2 * self.earlier.len() + self.nonzero.len()
+    }
+
+    /// How many allocations are live together with nonzero allocation `i`.
+    pub(crate) fn degree(&self, i: usize) -> usize {
+        let r = self.rank[i] as usize;
+        self.earlier_start[r + 1] - self.earlier_start[r] + self.later_end[r] as usize - (r + 1)
+    }
+
     /// The allocations live at some time step together with nonzero allocation `i`.
     pub(crate) fn of_alloc(&self, i: usize) -> impl Iterator<Item = u32> + '_ {
-        let r = self.rank[i] as usize;
-        let earlier = &self.earlier[self.earlier_start[r]..self.earlier_start[r + 1]];
-        let later = &self.by_first[r + 1..self.later_end[r] as usize];
+        let (earlier, later) = self.slices(i);
         earlier.iter().chain(later).copied()
+    }
+
+    /// The same, as the ones that start before `i` and the ones that start during its life.
+    #[inline]
+    fn slices(&self, i: usize) -> (&[u32], &[u32]) {
+        let r = self.rank[i] as usize;
+        (
+            &self.earlier[self.earlier_start[r]..self.earlier_start[r + 1]],
+            &self.by_first[r + 1..self.later_end[r] as usize],
+        )
     }
 }
 
@@ -115,6 +137,86 @@ struct Greedy {
     placed: Vec<bool>,
     neighbours: Vec<(u64, u64)>,
     keys: Vec<u64>,
+    /// End and distinct-offset id (in `index`) of each allocation once placed (`u32::MAX`
+    /// before): one load tells whether a neighbour is placed and where it is.
+    placed_at: Vec<(u64, u32)>,
+    index: OffsetIndex,
+}
+
+/// The distinct offsets placed so far, in order. Greedy layouts stack allocations on the
+/// same few offsets, so there are far fewer distinct offsets than allocations, and the
+/// neighbours of an allocation can be put in offset order by marking their offsets' ranks in
+/// a bitmap, instead of sorting them.
+#[derive(Default)]
+struct OffsetIndex {
+    /// Offsets by rank.
+    values: Vec<u64>,
+    id_at_rank: Vec<u32>,
+    rank_of_id: Vec<u32>,
+    /// Marks, by rank, the offsets of the neighbours being gathered.
+    bits: Vec<u64>,
+    /// Largest end among the gathered neighbours at each rank's offset.
+    max_end: Vec<u64>,
+}
+
+impl OffsetIndex {
+    fn clear(&mut self) {
+        self.values.clear();
+        self.id_at_rank.clear();
+        self.rank_of_id.clear();
+        self.bits.clear();
+        self.max_end.clear();
+    }
+
+    /// The id of `offset`, added if new.
+    fn id(&mut self, offset: u64) -> u32 {
+        match self.values.binary_search(&offset) {
+            Ok(rank) => self.id_at_rank[rank],
+            Err(rank) => {
+                let id = self.rank_of_id.len() as u32;
+                for r in &mut self.rank_of_id {
+                    if *r as usize >= rank {
+                        *r += 1;
+                    }
+                }
+                self.rank_of_id.push(rank as u32);
+                self.values.insert(rank, offset);
+                self.id_at_rank.insert(rank, id);
+                self.max_end.push(0);
+                self.bits.resize(self.values.len().div_ceil(64), 0);
+                id
+            }
+        }
+    }
+
+    /// Marks a neighbour at offset id `id` ending at `end`.
+    #[inline]
+    fn mark(&mut self, id: u32, end: u64) {
+        let r = self.rank_of_id[id as usize] as usize;
+        self.bits[r >> 6] |= 1 << (r & 63);
+        if end > self.max_end[r] {
+            self.max_end[r] = end;
+        }
+    }
+
+    /// Calls `f(start, end)` for each marked offset in increasing order (with the largest end
+    /// marked there), clearing the marks.
+    #[inline]
+    fn drain(&mut self, mut f: impl FnMut(u64, u64)) {
+        for w in 0..self.bits.len() {
+            let mut word = self.bits[w];
+            if word == 0 {
+                continue;
+            }
+            self.bits[w] = 0;
+            while word != 0 {
+                let r = w * 64 + word.trailing_zeros() as usize;
+                f(self.values[r], self.max_end[r]);
+                self.max_end[r] = 0;
+                word &= word - 1;
+            }
+        }
+    }
 }
 
 impl Problem {
@@ -195,6 +297,8 @@ impl Problem {
             placed: vec![false; self.len()],
             neighbours: Vec::new(),
             keys: Vec::new(),
+            placed_at: vec![(0, u32::MAX); self.len()],
+            index: OffsetIndex::default(),
         }
     }
 
@@ -203,35 +307,52 @@ impl Problem {
     fn greedy_pass(&self, conflicts: &Conflicts, sequence: &[u32], g: &mut Greedy) -> OffsetPlan {
         g.offsets.iter_mut().for_each(|o| *o = 0);
         g.placed.iter_mut().for_each(|p| *p = false);
+        g.placed_at.iter_mut().for_each(|p| *p = (0, u32::MAX));
+        g.index.clear();
         let mut arena = 0u64;
         for &i in sequence {
             let i = i as usize;
             let size = self.sizes[i];
-            g.neighbours.clear();
-            for j in conflicts.of_alloc(i) {
-                let j = j as usize;
-                if g.placed[j] {
-                    g.neighbours
-                        .push((g.offsets[j], g.offsets[j] + self.sizes[j]));
-                }
-            }
-            sort_by_start(&mut g.neighbours, &mut g.keys);
             let mut top = 0u64;
             let mut best: Option<(u64, u64)> = None;
-            for &(start, end) in &g.neighbours {
+            // Gaps between the placed neighbours, visited in offset order.
+            let mut visit = |start: u64, end: u64| {
                 if start >= top + size {
                     let gap = start - top;
                     if best.map_or(true, |(g, _)| gap < g) {
                         best = Some((gap, top));
-                        if gap == size {
-                            break;
-                        }
                     }
                 }
                 top = top.max(end);
+            };
+            if g.index.bits.len() <= conflicts.degree(i) {
+                let (earlier, later) = conflicts.slices(i);
+                for part in [earlier, later] {
+                    for &j in part {
+                        let (end, id) = g.placed_at[j as usize];
+                        if id != u32::MAX {
+                            g.index.mark(id, end);
+                        }
+                    }
+                }
+                g.index.drain(&mut visit);
+            } else {
+                g.neighbours.clear();
+                for j in conflicts.of_alloc(i) {
+                    let j = j as usize;
+                    if g.placed[j] {
+                        g.neighbours
+                            .push((g.offsets[j], g.offsets[j] + self.sizes[j]));
+                    }
+                }
+                sort_by_start(&mut g.neighbours, &mut g.keys);
+                for &(start, end) in &g.neighbours {
+                    visit(start, end);
+                }
             }
             let offset = best.map_or(top, |(_, at)| at);
             g.offsets[i] = offset;
+            g.placed_at[i] = (offset + size, g.index.id(offset));
             g.placed[i] = true;
             arena = arena.max(offset + size);
         }
@@ -313,15 +434,20 @@ impl Problem {
         keys
     }
 
-    /// The smallest plan among PyTorch's and every greedy order; for small inputs, then an
-    /// exact search (with `exhaustive`, a longer one whatever the size).
+    /// The smallest plan among PyTorch's and the greedy orders (all of them unless the input is
+    /// so dense that they would be slow; stopping early at the lower bound); for small inputs,
+    /// then an exact search (with `exhaustive`, every order and a longer search).
     pub(crate) fn best(&self, exhaustive: bool) -> OffsetPlan {
         let bound = self.lower_bound();
         let mut best = self.pytorch();
         if best.arena_size > bound {
             let conflicts = Conflicts::of(self);
             let mut scratch = self.scratch();
-            for order in Order::ALL {
+            let pass_work = conflicts.visits();
+            for (k, order) in Order::ALL.into_iter().enumerate() {
+                if k > 0 && !exhaustive && k * pass_work > BEST_GREEDY_WORK {
+                    break;
+                }
                 let sequence = self.sequence(order, &conflicts.nonzero);
                 let plan = self.greedy_pass(&conflicts, &sequence, &mut scratch);
                 if plan.arena_size < best.arena_size {
@@ -331,16 +457,16 @@ impl Problem {
                     }
                 }
             }
-            let budget = if exhaustive {
-                Some(EXACT_SEARCH_BUDGET)
+            let nodes = if exhaustive {
+                Some(EXACT_SEARCH_NODES)
             } else if conflicts.nonzero.len() <= BEST_SEARCH_LIMIT {
-                Some(BEST_SEARCH_BUDGET)
+                Some(BEST_SEARCH_NODES)
             } else {
                 None
             };
-            if let Some(budget) = budget {
+            if let Some(nodes) = nodes {
                 if best.arena_size > bound {
-                    best = self.branch_and_bound(&conflicts, best, bound, Instant::now() + budget);
+                    best = self.branch_and_bound(&conflicts, best, bound, nodes);
                 }
             }
         }

@@ -1,12 +1,10 @@
-//! Exact offset planning by branch and bound, for small inputs and under a deadline.
+//! Exact offset planning by branch and bound, for small inputs and under a work budget.
 //!
 //! Any layout can be pushed down until every allocation rests at offset 0 or on the end of an
 //! allocation it is live with, without growing the arena. Placing allocations in increasing
 //! (offset, index) order, each at 0 or at the end of an already placed conflicting one, so
 //! reaches every such layout exactly once; allocations not yet placed all go at or above the
 //! current offset, which gives the bound used for pruning.
-
-use std::time::Instant;
 
 use super::offsets::Conflicts;
 use super::{OffsetPlan, Problem};
@@ -24,20 +22,20 @@ struct Search {
     best: Vec<u64>,
     best_size: u64,
     bound: u64,
-    deadline: Instant,
-    nodes: u64,
+    /// Nodes the search may still visit.
+    nodes_left: u64,
     out_of_time: bool,
 }
 
 impl Problem {
-    /// The smallest layout found before `deadline`, starting from `incumbent`; optimal when
-    /// the search completes. Never larger than `incumbent`.
+    /// The smallest layout found within `nodes` search nodes, starting from `incumbent`;
+    /// optimal when the search completes. Never larger than `incumbent`.
     pub(crate) fn branch_and_bound(
         &self,
         conflicts: &Conflicts,
         incumbent: OffsetPlan,
         bound: u64,
-        deadline: Instant,
+        nodes: u64,
     ) -> OffsetPlan {
         let ids = &conflicts.nonzero;
         let m = ids.len();
@@ -70,8 +68,7 @@ impl Problem {
             best: ids.iter().map(|&i| incumbent.offsets[i as usize]).collect(),
             best_size: incumbent.arena_size,
             bound,
-            deadline,
-            nodes: 0,
+            nodes_left: nodes,
             out_of_time: false,
         };
         let before = search.best_size;
@@ -96,11 +93,11 @@ impl Search {
         if self.out_of_time || self.best_size <= self.bound {
             return;
         }
-        self.nodes += 1;
-        if self.nodes % 64 == 0 && Instant::now() >= self.deadline {
+        if self.nodes_left == 0 {
             self.out_of_time = true;
             return;
         }
+        self.nodes_left -= 1;
         let m = self.sizes.len();
         if placed.count_ones() as usize == m {
             if peak < self.best_size {
