@@ -30,6 +30,12 @@ typedef struct CUstream_st CUstream_st;
 #define TENSORALLOC_STAT_LARGE_POOL 2
 
 /**
+ * Number of size intervals of `roundup_power2_divisions`: below 2 MiB, then one per power of
+ * two from 2 MiB to 32 GiB and above.
+ */
+#define ROUNDUP_INTERVALS 16
+
+/**
  * Every block is a multiple of this many bytes.
  */
 #define MIN_BLOCK_SIZE 512

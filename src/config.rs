@@ -20,7 +20,15 @@ pub struct Config {
     pub pinned_num_register_threads: usize,
     /// Round pinned host requests up to a power of two (PyTorch's host allocator does).
     pub pinned_round_power2: bool,
+    /// PyTorch's `roundup_power2_divisions`: for each size interval (see
+    /// [`Config::divisions_for`]), how many equal steps each power-of-two range is cut into when
+    /// rounding device requests; 0 or 1 rounds to 512 B only.
+    pub roundup_power2_divisions: [usize; ROUNDUP_INTERVALS],
 }
+
+/// Number of size intervals of `roundup_power2_divisions`: below 2 MiB, then one per power of
+/// two from 2 MiB to 32 GiB and above.
+pub const ROUNDUP_INTERVALS: usize = 16;
 
 impl Default for Config {
     fn default() -> Self {
@@ -30,6 +38,7 @@ impl Default for Config {
             pinned_use_host_register: false,
             pinned_num_register_threads: 1,
             pinned_round_power2: true,
+            roundup_power2_divisions: [0; ROUNDUP_INTERVALS],
         }
     }
 }
@@ -42,7 +51,8 @@ impl Config {
     pub fn from_env() -> Result<Config> {
         for var in ["TENSORALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"] {
             if let Ok(v) = std::env::var(var) {
-                return Config::parse(&v).map_err(|e| Error::Config(format!("{var}: {}", e.message())));
+                return Config::parse(&v)
+                    .map_err(|e| Error::Config(format!("{var}: {}", e.message())));
             }
         }
         Ok(Config::default())
@@ -54,10 +64,14 @@ impl Config {
     /// unknown keys and malformed values are errors.
     pub fn parse(text: &str) -> Result<Config> {
         let mut c = Config::default();
-        for item in text.split(',').map(str::trim).filter(|s| !s.is_empty()) {
-            let (key, value) = item.split_once(':').ok_or_else(|| {
-                Error::Config(format!("`{item}` is not a `key:value` pair"))
-            })?;
+        for item in split_top_level(text)
+            .into_iter()
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+        {
+            let (key, value) = item
+                .split_once(':')
+                .ok_or_else(|| Error::Config(format!("`{item}` is not a `key:value` pair")))?;
             let (key, value) = (key.trim(), value.trim());
             match key {
                 "max_split_size_mb" => {
@@ -97,16 +111,7 @@ impl Config {
                         return Err(bad(key, value, "`native` or `cudaMallocAsync`"));
                     }
                 }
-                "roundup_power2_divisions" => {
-                    // A number, or a bracketed list `[256:1,512:2,>:4]`.
-                    if value.starts_with('[') {
-                        if !value.ends_with(']') {
-                            return Err(bad(key, value, "a number or a bracketed list"));
-                        }
-                    } else {
-                        let _: usize = parse_number(key, value)?;
-                    }
-                }
+                "roundup_power2_divisions" => c.roundup_power2_divisions = parse_divisions(value)?,
                 _ => {
                     return Err(Error::Config(format!(
                         "unknown option `{key}` (known: max_split_size_mb, garbage_collection_threshold, \
@@ -118,6 +123,95 @@ impl Config {
         }
         Ok(c)
     }
+}
+
+impl Config {
+    /// The `roundup_power2_divisions` setting that applies to a request of `size` bytes.
+    pub fn divisions_for(&self, size: usize) -> usize {
+        self.roundup_power2_divisions[roundup_interval(size)]
+    }
+}
+
+/// The `roundup_power2_divisions` interval of a size: 0 below 2 MiB, then `log2(size / 1 MiB)`,
+/// capped at the last interval.
+pub fn roundup_interval(size: usize) -> usize {
+    let log = (usize::BITS - 1).saturating_sub(size.max(1).leading_zeros()) as usize;
+    log.saturating_sub(20).min(ROUNDUP_INTERVALS - 1)
+}
+
+/// Splits on commas outside brackets, so `a:1,b:[x:1,y:2]` is two items.
+fn split_top_level(text: &str) -> Vec<&str> {
+    let (mut items, mut depth, mut start) = (Vec::new(), 0i32, 0);
+    for (i, ch) in text.char_indices() {
+        match ch {
+            '[' => depth += 1,
+            ']' => depth -= 1,
+            ',' if depth == 0 => {
+                items.push(&text[start..i]);
+                start = i + 1;
+            }
+            _ => {}
+        }
+    }
+    items.push(&text[start..]);
+    items
+}
+
+/// Parses `roundup_power2_divisions`: one number for every size, or a list
+/// `[256:1,512:2,>:4]` whose keys are sizes in MiB (powers of two, increasing): as in PyTorch,
+/// a key's value covers the sizes below it down to the previous key (1 division below 256 MiB,
+/// 2 from 256 to 512 MiB), and `>` covers everything from the last key on. Values are 0, 1 or
+/// powers of two.
+fn parse_divisions(value: &str) -> Result<[usize; ROUNDUP_INTERVALS]> {
+    const KEY: &str = "roundup_power2_divisions";
+    let check = |n: usize| -> Result<usize> {
+        if n > 1 && !n.is_power_of_two() {
+            return Err(Error::Config(format!(
+                "{KEY}: {n} divisions: use 0, 1 or a power of two"
+            )));
+        }
+        Ok(n)
+    };
+    let Some(list) = value.strip_prefix('[') else {
+        let n = check(parse_number(KEY, value)?)?;
+        return Ok([n; ROUNDUP_INTERVALS]);
+    };
+    let list = list.strip_suffix(']').ok_or_else(|| {
+        bad(
+            KEY,
+            value,
+            "a number or a bracketed list such as [256:1,512:2,>:4]",
+        )
+    })?;
+    let mut out = [0; ROUNDUP_INTERVALS];
+    let mut filled = 0;
+    for entry in list.split(',').map(str::trim).filter(|e| !e.is_empty()) {
+        let (k, v) = entry
+            .split_once(':')
+            .ok_or_else(|| bad(KEY, entry, "`MiB:divisions` or `>:divisions`"))?;
+        let n = check(parse_number(KEY, v.trim())?)?;
+        if k.trim() == ">" {
+            out[filled..].fill(n);
+            filled = ROUNDUP_INTERVALS;
+            continue;
+        }
+        let mb: usize = parse_number(KEY, k.trim())?;
+        if !mb.is_power_of_two() {
+            return Err(Error::Config(format!(
+                "{KEY}: the key {mb} is not a power of two (MiB)"
+            )));
+        }
+        // Intervals below `mb` MiB: interval i holds sizes from 2^i MiB (0: all below 2 MiB).
+        let end = (mb.trailing_zeros() as usize).clamp(1, ROUNDUP_INTERVALS);
+        if end <= filled {
+            return Err(Error::Config(format!(
+                "{KEY}: keys must increase ({mb} MiB comes too late)"
+            )));
+        }
+        out[filled..end].fill(n);
+        filled = end;
+    }
+    Ok(out)
 }
 
 fn bad(key: &str, value: &str, want: &str) -> Error {
@@ -142,16 +236,22 @@ pub fn parse_size(text: &str) -> Result<u64> {
     let t = text.trim();
     let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
-    let n: u64 = num
-        .parse()
-        .map_err(|_| Error::Config(format!("`{text}` is not a size (examples: 1073741824, 512MiB, 16GiB)")))?;
+    let n: u64 = num.parse().map_err(|_| {
+        Error::Config(format!(
+            "`{text}` is not a size (examples: 1073741824, 512MiB, 16GiB)"
+        ))
+    })?;
     let shift = match unit.trim().to_ascii_lowercase().as_str() {
         "" | "b" => 0,
         "k" | "kb" | "kib" => 10,
         "m" | "mb" | "mib" => 20,
         "g" | "gb" | "gib" => 30,
         "t" | "tb" | "tib" => 40,
-        _ => return Err(Error::Config(format!("`{text}` has an unknown unit (use B, KiB, MiB, GiB or TiB)"))),
+        _ => {
+            return Err(Error::Config(format!(
+                "`{text}` has an unknown unit (use B, KiB, MiB, GiB or TiB)"
+            )))
+        }
     };
     n.checked_mul(1u64 << shift)
         .ok_or_else(|| Error::Config(format!("`{text}` is too large")))
@@ -183,9 +283,34 @@ mod tests {
     }
 
     #[test]
+    fn roundup_divisions_parse_as_a_number_or_a_list() {
+        let c = Config::parse("roundup_power2_divisions:4").unwrap();
+        assert_eq!(c.divisions_for(1 << 20), 4);
+        assert_eq!(c.divisions_for(1 << 40), 4);
+        let c = Config::parse("max_split_size_mb:100,roundup_power2_divisions:[256:1,512:2,>:8],garbage_collection_threshold:0.5").unwrap();
+        assert_eq!(c.max_split_size, 100 << 20);
+        assert_eq!(c.garbage_collection_threshold, 0.5);
+        assert_eq!(c.divisions_for(3 << 20), 1, "below the first key");
+        assert_eq!(c.divisions_for(300 << 20), 2);
+        assert_eq!(c.divisions_for(600 << 20), 8);
+        assert_eq!(c.divisions_for(1 << 36), 8);
+        assert!(Config::parse("roundup_power2_divisions:3").is_err());
+        assert!(Config::parse("roundup_power2_divisions:[300:2]").is_err());
+        assert!(Config::parse("roundup_power2_divisions:[512:2,256:1]").is_err());
+        assert!(Config::parse("roundup_power2_divisions:[256:2").is_err());
+    }
+
+    #[test]
     fn config_rejects_bad_strings_with_a_reason() {
-        for bad in ["max_split_size_mb", "max_split_size_mb:ten", "max_split_size_mb:4", "nonsense:1",
-                    "garbage_collection_threshold:1.5", "pinned_num_register_threads:3", "expandable_segments:maybe"] {
+        for bad in [
+            "max_split_size_mb",
+            "max_split_size_mb:ten",
+            "max_split_size_mb:4",
+            "nonsense:1",
+            "garbage_collection_threshold:1.5",
+            "pinned_num_register_threads:3",
+            "expandable_segments:maybe",
+        ] {
             let e = Config::parse(bad).unwrap_err();
             assert!(matches!(e, Error::Config(_)), "{bad}");
             assert!(!e.message().is_empty());

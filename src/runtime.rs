@@ -28,7 +28,10 @@ impl Runtime {
     pub fn get() -> Result<&'static Runtime> {
         match RUNTIME.get() {
             Some(r) => r.as_ref().map_err(Clone::clone),
-            None => RUNTIME.get_or_init(Runtime::from_env).as_ref().map_err(Clone::clone),
+            None => RUNTIME
+                .get_or_init(Runtime::from_env)
+                .as_ref()
+                .map_err(Clone::clone),
         }
     }
 
@@ -42,7 +45,12 @@ impl Runtime {
             Backend::Cuda => (driver::from_env()?, None),
         };
         let count = driver.device_count()?;
-        Ok(Runtime { driver, sim, config, devices: (0..count).map(|_| OnceCell::new()).collect() })
+        Ok(Runtime {
+            driver,
+            sim,
+            config,
+            devices: (0..count).map(|_| OnceCell::new()).collect(),
+        })
     }
 
     /// The driver every allocator of the process uses.
@@ -68,10 +76,14 @@ impl Runtime {
     /// The caching allocator of device `index`, made on first use.
     #[inline]
     pub fn device(&self, index: usize) -> Result<&DeviceAllocator> {
-        let cell = self.devices.get(index).ok_or_else(|| self.bad_device(index as i64))?;
+        let cell = self
+            .devices
+            .get(index)
+            .ok_or_else(|| self.bad_device(index as i64))?;
         match cell.get() {
             Some(d) => Ok(d),
-            None => cell.get_or_try_init(|| DeviceAllocator::new(self.driver.clone(), index, &self.config)),
+            None => cell
+                .get_or_try_init(|| DeviceAllocator::new(self.driver.clone(), index, &self.config)),
         }
     }
 

@@ -6,7 +6,7 @@ mod support;
 
 use std::process::Command;
 
-use support::{cc, lib_dir, root, run, with_driver};
+use support::{lib_dir, root, run, with_driver};
 
 #[test]
 fn every_c_example_compiles_and_passes() {
@@ -19,30 +19,31 @@ fn every_c_example_compiles_and_passes() {
         .filter(|p| p.extension().is_some_and(|e| e == "c"))
         .collect();
     sources.sort();
-    assert!(sources.len() >= 6, "the C smoke suite is missing examples: {sources:?}");
+    assert!(
+        sources.len() >= 6,
+        "the C smoke suite is missing examples: {sources:?}"
+    );
     let mut failures = Vec::new();
     for src in &sources {
         let name = src.file_stem().unwrap().to_string_lossy().to_string();
         let exe = out_dir.join(&name);
-        let compiled = Command::new(cc())
-            .args(["-std=c99", "-Wall", "-Wextra", "-Werror", "-O1"])
-            .arg("-I")
-            .arg(root().join("include"))
-            .arg(src)
-            .arg("-o")
-            .arg(&exe)
-            .arg("-L")
-            .arg(&lib)
-            .args(["-ltensoralloc", "-lpthread"])
-            .arg(format!("-Wl,-rpath,{}", lib.display()))
+        let compiled = support::compile_c(src, &exe, &lib)
+            .args(["-Wall", "-Wextra", "-Werror", "-O1"])
             .output()
             .unwrap();
         if !compiled.status.success() {
-            failures.push(format!("{name}: does not compile:\n{}", String::from_utf8_lossy(&compiled.stderr)));
+            failures.push(format!(
+                "{name}: does not compile:\n{}",
+                String::from_utf8_lossy(&compiled.stderr)
+            ));
             continue;
         }
         let ran = with_driver(&mut Command::new(&exe)).output().unwrap();
-        let text = format!("{}{}", String::from_utf8_lossy(&ran.stdout), String::from_utf8_lossy(&ran.stderr));
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&ran.stdout),
+            String::from_utf8_lossy(&ran.stderr)
+        );
         println!("== {name}\n{text}");
         if !ran.status.success() {
             failures.push(format!("{name}: failed ({}):\n{text}", ran.status));
@@ -55,20 +56,18 @@ fn every_c_example_compiles_and_passes() {
 fn the_quickstart_example_prints_statistics() {
     let lib = lib_dir();
     let exe = lib.join("quickstart-demo");
+    let src = root().join("c_examples/quickstart.c");
     run(
-        Command::new(cc())
-            .args(["-std=c99", "-I"])
-            .arg(root().join("include"))
-            .arg(root().join("c_examples/quickstart.c"))
-            .arg("-o")
-            .arg(&exe)
-            .arg("-L")
-            .arg(&lib)
-            .arg("-ltensoralloc")
-            .arg(format!("-Wl,-rpath,{}", lib.display())),
+        &mut support::compile_c(&src, &exe, &lib),
         "compiling the quickstart",
     );
     let text = run(with_driver(&mut Command::new(&exe)), "the quickstart");
-    assert!(text.contains("allocated: 31462400 bytes in 3 allocations"), "{text}");
-    assert!(text.contains("after empty_cache: 0 bytes reserved"), "{text}");
+    assert!(
+        text.contains("allocated: 31462400 bytes in 3 allocations"),
+        "{text}"
+    );
+    assert!(
+        text.contains("after empty_cache: 0 bytes reserved"),
+        "{text}"
+    );
 }

@@ -96,11 +96,18 @@ fn blocks_of_a_segment_are_split_and_adjacent() {
     let (_sim, a) = alloc(64 * MIB);
     let p = a.malloc(4 * KIB, 0).unwrap();
     let q = a.malloc(4 * KIB, 0).unwrap();
-    assert_eq!(q, p + 4 * KIB, "the second block comes from the rest of the first segment");
+    assert_eq!(
+        q,
+        p + 4 * KIB,
+        "the second block comes from the rest of the first segment"
+    );
     let s = stats(&a);
     assert_eq!(s.segment[AGG].current, 1);
     assert_eq!(s.inactive_split[AGG].current, 1);
-    assert_eq!(s.inactive_split_bytes[AGG].current, (2 * MIB - 8 * KIB) as i64);
+    assert_eq!(
+        s.inactive_split_bytes[AGG].current,
+        (2 * MIB - 8 * KIB) as i64
+    );
     a.free(p, Some(0)).unwrap();
     a.free(q, Some(0)).unwrap();
 }
@@ -111,10 +118,17 @@ fn freed_neighbours_merge_back_into_one_block() {
     let p = a.malloc(4 * KIB, 0).unwrap();
     let q = a.malloc(4 * KIB, 0).unwrap();
     a.free(p, Some(0)).unwrap();
-    assert_eq!(stats(&a).inactive_split[AGG].current, 2, "two free pieces around q");
+    assert_eq!(
+        stats(&a).inactive_split[AGG].current,
+        2,
+        "two free pieces around q"
+    );
     a.free(q, Some(0)).unwrap();
     let s = stats(&a);
-    assert_eq!(s.inactive_split[AGG].current, 0, "the whole segment is one free block again");
+    assert_eq!(
+        s.inactive_split[AGG].current, 0,
+        "the whole segment is one free block again"
+    );
     assert_eq!(s.inactive_split_bytes[AGG].current, 0);
     // The merged block serves a request as large as the segment.
     let r = a.malloc(MIB, 0).unwrap();
@@ -129,7 +143,11 @@ fn large_pool_keeps_a_remainder_only_when_over_1mib() {
     // 19 MiB from a 20 MiB segment leaves exactly 1 MiB: not split.
     let p = a.malloc(19 * MIB, 0).unwrap();
     let s = stats(&a);
-    assert_eq!(s.allocated_bytes[LARGE].current, 20 * MIB as i64, "unsplit: the client holds the whole block");
+    assert_eq!(
+        s.allocated_bytes[LARGE].current,
+        20 * MIB as i64,
+        "unsplit: the client holds the whole block"
+    );
     assert_eq!(s.inactive_split[LARGE].current, 0);
     a.free(p, Some(0)).unwrap();
     // 18 MiB leaves 2 MiB: split.
@@ -153,7 +171,11 @@ fn best_fit_picks_the_smallest_free_block_that_fits() {
     for p in [p8, p2, p4] {
         a.free(p, Some(s)).unwrap();
     }
-    assert_eq!(a.malloc(3 * KIB, s).unwrap(), p4, "4 KiB is the best fit for 3 KiB");
+    assert_eq!(
+        a.malloc(3 * KIB, s).unwrap(),
+        p4,
+        "4 KiB is the best fit for 3 KiB"
+    );
     assert_eq!(a.malloc(2 * KIB, s).unwrap(), p2);
     assert_eq!(a.malloc(5 * KIB, s).unwrap(), p8);
     let _ = (sep1, sep2, sep3);
@@ -167,8 +189,16 @@ fn a_block_is_reused_only_on_its_own_stream() {
     a.free(p, Some(s1)).unwrap();
     let q = a.malloc(4 * KIB, s2).unwrap();
     assert_ne!(q, p);
-    assert_eq!(stats(&a).segment[AGG].current, 2, "stream 2 got a segment of its own");
-    assert_eq!(a.malloc(4 * KIB, s1).unwrap(), p, "stream 1 gets its cached block back");
+    assert_eq!(
+        stats(&a).segment[AGG].current,
+        2,
+        "stream 2 got a segment of its own"
+    );
+    assert_eq!(
+        a.malloc(4 * KIB, s1).unwrap(),
+        p,
+        "stream 1 gets its cached block back"
+    );
 }
 
 #[test]
@@ -188,7 +218,12 @@ fn record_stream_defers_reuse_until_the_other_stream_completes() {
     a.free(q, Some(s1)).unwrap();
     let r = a.malloc(4 * KIB, s1).unwrap();
     assert_eq!(r, p, "reused once the side stream's event completed");
-    assert_eq!(sim.counters.events_created.load(std::sync::atomic::Ordering::Relaxed), 1);
+    assert_eq!(
+        sim.counters
+            .events_created
+            .load(std::sync::atomic::Ordering::Relaxed),
+        1
+    );
     a.free(r, Some(s1)).unwrap();
 }
 
@@ -202,8 +237,18 @@ fn deferred_frees_reuse_pooled_events() {
         a.free(p, Some(s1)).unwrap();
         a.poll_events();
     }
-    assert_eq!(sim.counters.events_created.load(std::sync::atomic::Ordering::Relaxed), 1);
-    assert_eq!(sim.counters.event_records.load(std::sync::atomic::Ordering::Relaxed), 10);
+    assert_eq!(
+        sim.counters
+            .events_created
+            .load(std::sync::atomic::Ordering::Relaxed),
+        1
+    );
+    assert_eq!(
+        sim.counters
+            .event_records
+            .load(std::sync::atomic::Ordering::Relaxed),
+        10
+    );
 }
 
 #[test]
@@ -213,17 +258,28 @@ fn record_stream_on_the_allocation_stream_records_no_event() {
     let p = a.malloc(4 * KIB, s1).unwrap();
     a.record_stream(p, s1).unwrap();
     a.free(p, Some(s1)).unwrap();
-    assert_eq!(sim.counters.event_records.load(std::sync::atomic::Ordering::Relaxed), 0);
+    assert_eq!(
+        sim.counters
+            .event_records
+            .load(std::sync::atomic::Ordering::Relaxed),
+        0
+    );
     assert_eq!(stats(&a).active[AGG].current, 0);
 }
 
 #[test]
 fn record_stream_of_an_unknown_pointer_is_an_error() {
     let (_sim, a) = alloc(64 * MIB);
-    assert!(matches!(a.record_stream(0x1234, 1), Err(Error::UnknownPointer(_))));
+    assert!(matches!(
+        a.record_stream(0x1234, 1),
+        Err(Error::UnknownPointer(_))
+    ));
     let p = a.malloc(4 * KIB, 0).unwrap();
     a.free(p, Some(0)).unwrap();
-    assert!(matches!(a.record_stream(p, 1), Err(Error::UnknownPointer(_))), "freed");
+    assert!(
+        matches!(a.record_stream(p, 1), Err(Error::UnknownPointer(_))),
+        "freed"
+    );
 }
 
 #[test]
@@ -231,7 +287,9 @@ fn out_of_memory_returns_an_error_that_explains_it() {
     let (_sim, a) = alloc(64 * MIB);
     let keep = a.malloc(30 * MIB, 0).unwrap();
     let e = a.malloc(40 * MIB, 0).unwrap_err();
-    let Error::OutOfMemory(m) = &e else { panic!("{e:?}") };
+    let Error::OutOfMemory(m) = &e else {
+        panic!("{e:?}")
+    };
     assert!(m.contains("40.00 MiB"), "requested size: {m}");
     assert!(m.contains("device 0"), "{m}");
     assert!(m.contains("64.00 MiB"), "capacity: {m}");
@@ -255,7 +313,10 @@ fn out_of_memory_frees_the_cache_and_retries_once() {
     let s = stats(&a);
     assert_eq!(s.num_alloc_retries, 1);
     assert_eq!(s.num_ooms, 0);
-    assert_eq!(s.num_device_free, 1, "stream 1's cached segment went back to the driver");
+    assert_eq!(
+        s.num_device_free, 1,
+        "stream 1's cached segment went back to the driver"
+    );
     assert_eq!(s.num_sync_all_streams, 1);
     assert_eq!(sim.used(0), 40 * MIB as u64);
     a.free(q, Some(s2)).unwrap();
@@ -270,7 +331,12 @@ fn out_of_memory_retry_waits_for_pending_events_first() {
     a.record_stream(p, side).unwrap();
     a.free(p, Some(s1)).unwrap();
     let q = a.malloc(40 * MIB, unique_stream()).unwrap();
-    assert!(sim.counters.event_syncs.load(std::sync::atomic::Ordering::Relaxed) >= 1);
+    assert!(
+        sim.counters
+            .event_syncs
+            .load(std::sync::atomic::Ordering::Relaxed)
+            >= 1
+    );
     assert_eq!(stats(&a).num_ooms, 0);
     sim::release_stream(side);
     a.free(q, None).unwrap();
@@ -291,13 +357,19 @@ fn the_allocator_recovers_after_out_of_memory() {
 fn empty_cache_returns_every_unused_segment() {
     let (sim, a) = alloc(256 * MIB);
     let keep = a.malloc(4 * KIB, 0).unwrap();
-    let ps: Vec<_> = [MIB, 5 * MIB, 30 * MIB].iter().map(|&n| a.malloc(n, unique_stream()).unwrap()).collect();
+    let ps: Vec<_> = [MIB, 5 * MIB, 30 * MIB]
+        .iter()
+        .map(|&n| a.malloc(n, unique_stream()).unwrap())
+        .collect();
     for p in ps {
         a.free(p, None).unwrap();
     }
     a.empty_cache().unwrap();
     let s = stats(&a);
-    assert_eq!(s.segment[AGG].current, 1, "only the segment holding `keep` is left");
+    assert_eq!(
+        s.segment[AGG].current, 1,
+        "only the segment holding `keep` is left"
+    );
     assert_eq!(s.reserved_bytes[AGG].current, 2 * MIB as i64);
     assert_eq!(sim.used(0), 2 * MIB as u64);
     a.free(keep, Some(0)).unwrap();
@@ -347,7 +419,10 @@ fn peak_is_the_highest_total_across_streams() {
     a.free(q, Some(s2)).unwrap();
     let q = a.malloc(MIB + MIB / 2, s2).unwrap();
     let p = a.malloc(MIB, s1).unwrap();
-    assert_eq!(stats(&a).allocated_bytes[AGG].peak, (2 * MIB + MIB / 2) as i64);
+    assert_eq!(
+        stats(&a).allocated_bytes[AGG].peak,
+        (2 * MIB + MIB / 2) as i64
+    );
     a.free(p, Some(s1)).unwrap();
     a.free(q, Some(s2)).unwrap();
     // Sequential use of two streams is not a simultaneous peak.
@@ -370,7 +445,10 @@ fn reset_peak_stats_sets_peaks_to_current_values() {
     let s = stats(&a);
     assert_eq!(s.allocated_bytes[AGG].peak, MIB as i64);
     assert_eq!(s.allocation[AGG].peak, 1);
-    assert_eq!(s.allocation[AGG].allocated, 2, "accumulated totals are kept");
+    assert_eq!(
+        s.allocation[AGG].allocated, 2,
+        "accumulated totals are kept"
+    );
     a.free(q, Some(0)).unwrap();
 }
 
@@ -410,7 +488,10 @@ fn max_split_size_keeps_oversize_blocks_whole() {
     // An oversize request takes it only if the waste stays under 20 MiB.
     let r = a.malloc(36 * MIB, 0).unwrap();
     assert_eq!(r, p, "reused whole, not split");
-    assert_eq!(stats(&a).allocated_bytes[LARGE].current, (4 + 40) * MIB as i64);
+    assert_eq!(
+        stats(&a).allocated_bytes[LARGE].current,
+        (4 + 40) * MIB as i64
+    );
     a.free(r, Some(0)).unwrap();
     let t = a.malloc(33 * MIB, 0).unwrap();
     assert_eq!(t, p);
@@ -422,9 +503,15 @@ fn max_split_size_keeps_oversize_blocks_whole() {
 fn absurd_sizes_are_rejected_with_a_reason() {
     let (sim, a) = alloc(64 * MIB);
     let e = a.malloc(usize::MAX - 7, 0).unwrap_err();
-    assert!(matches!(&e, Error::InvalidArgument(m) if m.contains("negative")), "{e}");
+    assert!(
+        matches!(&e, Error::InvalidArgument(m) if m.contains("negative")),
+        "{e}"
+    );
     let e = a.malloc(1 << 51, 0).unwrap_err();
-    assert!(matches!(&e, Error::InvalidArgument(m) if m.contains("larger than any device")), "{e}");
+    assert!(
+        matches!(&e, Error::InvalidArgument(m) if m.contains("larger than any device")),
+        "{e}"
+    );
     assert_eq!(sim.used(0), 0);
     assert_eq!(stats(&a).num_ooms, 0);
 }
@@ -437,7 +524,10 @@ fn freeing_an_unknown_pointer_changes_nothing_and_is_counted() {
     let e = a.free(0xdead_0000, Some(0)).unwrap_err();
     assert!(matches!(e, Error::UnknownPointer(_)));
     let e = a.free(p + 512, Some(0)).unwrap_err();
-    assert!(matches!(e, Error::UnknownPointer(_)), "a pointer inside a block is not a block");
+    assert!(
+        matches!(e, Error::UnknownPointer(_)),
+        "a pointer inside a block is not a block"
+    );
     let mut after = stats(&a);
     assert_eq!(after.num_invalid_frees, 2);
     after.num_invalid_frees = 0;
@@ -497,8 +587,13 @@ fn devices_have_separate_memory_and_statistics() {
 #[test]
 fn a_device_index_past_the_driver_is_rejected() {
     let sim = sim_with(2, 64 * MIB);
-    let e = DeviceAllocator::new(sim, 2, &Config::default()).err().unwrap();
-    assert!(matches!(&e, Error::InvalidArgument(m) if m.contains("device 2")), "{e}");
+    let e = DeviceAllocator::new(sim, 2, &Config::default())
+        .err()
+        .unwrap();
+    assert!(
+        matches!(&e, Error::InvalidArgument(m) if m.contains("device 2")),
+        "{e}"
+    );
 }
 
 #[test]
@@ -540,7 +635,7 @@ fn many_threads_on_many_streams_never_overlap_and_leave_nothing() {
                     rng ^= rng >> 7;
                     rng ^= rng << 17;
                     let stream = 0x100 * (1 + (rng % 4) as usize);
-                    if live.len() < 64 && rng % 3 != 0 {
+                    if live.len() < 64 && !rng.is_multiple_of(3) {
                         let size = [512, 4096, 100_000, MIB + 7, 3 * MIB][(rng >> 8) as usize % 5];
                         let p = a.malloc(size, stream).unwrap();
                         let tag = (i % 251) as u8;
@@ -548,10 +643,14 @@ fn many_threads_on_many_streams_never_overlap_and_leave_nothing() {
                         unsafe { std::ptr::write_bytes(p as *mut u8, tag, size) };
                         live.push((p, size, tag, stream));
                     } else if !live.is_empty() {
-                        let (p, size, tag, stream) = live.swap_remove((rng >> 16) as usize % live.len());
+                        let (p, size, tag, stream) =
+                            live.swap_remove((rng >> 16) as usize % live.len());
                         // SAFETY: p is still allocated to this thread with `size` bytes.
                         let bytes = unsafe { std::slice::from_raw_parts(p as *const u8, size) };
-                        assert!(bytes.iter().all(|&b| b == tag), "another allocation overwrote this one");
+                        assert!(
+                            bytes.iter().all(|&b| b == tag),
+                            "another allocation overwrote this one"
+                        );
                         a.free(p, Some(stream)).unwrap();
                     }
                 }
@@ -568,7 +667,10 @@ fn many_threads_on_many_streams_never_overlap_and_leave_nothing() {
     assert_eq!(s.allocation[AGG].current, 0);
     assert_eq!(s.allocated_bytes[AGG].current, 0);
     assert_eq!(s.active_bytes[AGG].current, 0);
-    assert_eq!(s.inactive_split[AGG].current, 0, "every freed segment merged whole");
+    assert_eq!(
+        s.inactive_split[AGG].current, 0,
+        "every freed segment merged whole"
+    );
     a.empty_cache().unwrap();
     assert_eq!(sim.used(0), 0);
     assert_eq!(a.stats().reserved_bytes[AGG].current, 0);
@@ -576,9 +678,47 @@ fn many_threads_on_many_streams_never_overlap_and_leave_nothing() {
 
 #[test]
 fn the_simulated_driver_reports_out_of_memory_past_capacity() {
-    let sim = SimDriver::new(SimConfig { devices: 1, capacity: 8 * MIB as u64, backed: false }).unwrap();
+    let sim = SimDriver::new(SimConfig {
+        devices: 1,
+        capacity: 8 * MIB as u64,
+        backed: false,
+    })
+    .unwrap();
     let p = sim.mem_alloc(0, 6 * MIB).unwrap();
-    assert!(matches!(sim.mem_alloc(0, 4 * MIB), Err(Error::OutOfMemory(_))));
+    assert!(matches!(
+        sim.mem_alloc(0, 4 * MIB),
+        Err(Error::OutOfMemory(_))
+    ));
     sim.mem_free(0, p).unwrap();
     assert!(sim.mem_alloc(0, 8 * MIB).is_ok());
+}
+
+#[test]
+fn roundup_power2_divisions_round_requests_to_shared_sizes() {
+    let config = Config::parse("roundup_power2_divisions:4").unwrap();
+    let (_sim, a) = alloc_with(64 * MIB, &config);
+    let p = a.malloc(1_300_000, 0).unwrap();
+    let s = stats(&a);
+    assert_eq!(
+        s.allocated_bytes[AGG].current,
+        5 << 18,
+        "1.25 MiB: the next quarter step"
+    );
+    assert_eq!(s.requested_bytes[AGG].current, 1_300_000);
+    a.free(p, Some(0)).unwrap();
+    // A slightly different size lands on the same block.
+    assert_eq!(a.malloc(1_250_000, 0).unwrap(), p);
+}
+
+#[test]
+fn garbage_collection_returns_cached_segments_before_growing_past_the_threshold() {
+    let config = Config::parse("garbage_collection_threshold:0.5").unwrap();
+    let (sim, a) = alloc_with(64 * MIB, &config);
+    let p = a.malloc(20 * MIB, 0).unwrap();
+    a.free(p, Some(0)).unwrap();
+    // 20 MiB cached + 22 MiB new would pass 32 MiB: the cached segment goes back first.
+    let q = a.malloc(22 * MIB, 0).unwrap();
+    assert_eq!(stats(&a).num_device_free, 1);
+    assert_eq!(sim.used(0), 22 * MIB as u64);
+    a.free(q, Some(0)).unwrap();
 }

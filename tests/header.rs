@@ -7,25 +7,36 @@ use std::process::Command;
 
 use support::{cc, root, run};
 
-#[test]
-fn header_compiles_alone_as_c99() {
+fn cxx() -> String {
+    std::env::var("CXX").unwrap_or_else(|_| "c++".to_string())
+}
+
+/// Compiles the header on its own, strictly, as `language` with `standard`.
+fn compile_alone(compiler: String, standard: &str, language: &str) {
     run(
-        Command::new(cc())
-            .args(["-std=c99", "-pedantic", "-Wall", "-Wextra", "-Werror", "-fsyntax-only", "-x", "c"])
+        Command::new(compiler)
+            .args([
+                standard,
+                "-pedantic",
+                "-Wall",
+                "-Wextra",
+                "-Werror",
+                "-fsyntax-only",
+            ])
+            .args(["-x", language])
             .arg(root().join("include/tensoralloc.h")),
-        "compiling the header as C99",
+        &format!("compiling the header alone as {language} ({standard})"),
     );
 }
 
 #[test]
+fn header_compiles_alone_as_c99() {
+    compile_alone(cc(), "-std=c99", "c");
+}
+
+#[test]
 fn header_compiles_alone_as_cpp17() {
-    let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".to_string());
-    run(
-        Command::new(cxx)
-            .args(["-std=c++17", "-pedantic", "-Wall", "-Wextra", "-Werror", "-fsyntax-only", "-x", "c++"])
-            .arg(root().join("include/tensoralloc.h")),
-        "compiling the header as C++17",
-    );
+    compile_alone(cxx(), "-std=c++17", "c++");
 }
 
 /// Where NVIDIA's CUDA headers are: `$CUDA_INCLUDE_DIR`, else `target/cuda-include`, which
@@ -68,14 +79,24 @@ CUstream as_driver_stream(cudaStream_t s) { return s; }
 "#,
     )
     .unwrap();
-    for (compiler, std) in [(cc(), "-std=c99"), (std::env::var("CXX").unwrap_or_else(|_| "c++".into()), "-std=c++17")] {
+    for (compiler, std) in [
+        (cc(), "-std=c99"),
+        (
+            std::env::var("CXX").unwrap_or_else(|_| "c++".into()),
+            "-std=c++17",
+        ),
+    ] {
         let mut cmd = Command::new(compiler);
         cmd.args([std, "-Wall", "-Werror", "-fsyntax-only"]);
         if std.contains("++") {
             cmd.args(["-x", "c++"]);
         }
         run(
-            cmd.arg("-I").arg(&cuda).arg("-I").arg(root().join("include")).arg(&tu),
+            cmd.arg("-I")
+                .arg(&cuda)
+                .arg("-I")
+                .arg(root().join("include"))
+                .arg(&tu),
             "compiling the header with NVIDIA's cuda_runtime_api.h",
         );
     }
@@ -92,7 +113,10 @@ fn committed_header_matches_the_generated_one() {
             .current_dir(&root)
             .output()
             .expect("git runs");
-        assert!(committed.status.success(), "include/tensoralloc.h is not committed");
+        assert!(
+            committed.status.success(),
+            "include/tensoralloc.h is not committed"
+        );
         assert!(
             String::from_utf8_lossy(&committed.stdout) == generated,
             "the committed include/tensoralloc.h differs from what build.rs generates: commit the regenerated header"

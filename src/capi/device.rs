@@ -3,7 +3,9 @@
 
 use std::ffi::{c_int, c_void};
 
-use super::{ffi_boundary, fail, status, stream_id, tensoralloc_status, CUstream_st, TENSORALLOC_OK};
+use super::{
+    fail, ffi_boundary, status, stream_id, tensoralloc_status, CUstream_st, TENSORALLOC_OK,
+};
 use crate::device::stats::{DeviceStats, Stat};
 use crate::error::Error;
 use crate::runtime::Runtime;
@@ -77,7 +79,12 @@ pub struct tensoralloc_device_stats {
 }
 
 fn c_stat(s: Stat) -> tensoralloc_stat {
-    tensoralloc_stat { current: s.current, peak: s.peak, allocated: s.allocated, freed: s.freed }
+    tensoralloc_stat {
+        current: s.current,
+        peak: s.peak,
+        allocated: s.allocated,
+        freed: s.freed,
+    }
 }
 
 fn c_array(a: [Stat; 3]) -> [tensoralloc_stat; 3] {
@@ -120,7 +127,11 @@ impl From<DeviceStats> for tensoralloc_device_stats {
 /// no usable driver, or out of memory (after returning the cache to the driver and retrying;
 /// the message gives the device's capacity, its free memory, and what tensoralloc holds).
 #[no_mangle]
-pub extern "C" fn tensoralloc_malloc(size: usize, device: c_int, stream: *mut CUstream_st) -> *mut c_void {
+pub extern "C" fn tensoralloc_malloc(
+    size: usize,
+    device: c_int,
+    stream: *mut CUstream_st,
+) -> *mut c_void {
     ffi_boundary! {
         match Runtime::get().and_then(|rt| rt.device_from_c(device)).and_then(|d| d.malloc(size, stream_id(stream))) {
             Ok(p) => p as *mut c_void,
@@ -142,7 +153,12 @@ pub extern "C" fn tensoralloc_malloc(size: usize, device: c_int, stream: *mut CU
 /// allocated, already freed, or inside a block) changes nothing: the last error says so, the
 /// device's `num_invalid_frees` counts it, and the first one prints a warning on stderr.
 #[no_mangle]
-pub extern "C" fn tensoralloc_free(ptr: *mut c_void, size: usize, device: c_int, stream: *mut CUstream_st) {
+pub extern "C" fn tensoralloc_free(
+    ptr: *mut c_void,
+    size: usize,
+    device: c_int,
+    stream: *mut CUstream_st,
+) {
     let _ = size;
     ffi_boundary! {
         if ptr.is_null() {
@@ -236,7 +252,10 @@ pub extern "C" fn tensoralloc_init(device_count: c_int) {
 /// Returns `TENSORALLOC_OK`, or an error status with a last error when `out` is NULL, the
 /// device does not exist, or no driver is usable; `*out` is then unchanged.
 #[no_mangle]
-pub extern "C" fn tensoralloc_get_device_stats(device: c_int, out: *mut tensoralloc_device_stats) -> tensoralloc_status {
+pub extern "C" fn tensoralloc_get_device_stats(
+    device: c_int,
+    out: *mut tensoralloc_device_stats,
+) -> tensoralloc_status {
     ffi_boundary! {
         if out.is_null() {
             return fail(&Error::InvalidArgument("tensoralloc_get_device_stats: out is NULL".into()));

@@ -2,6 +2,11 @@
 //! thread's last error and convert types. No allocator logic lives here.
 //!
 //! Every exported body runs inside [`ffi_boundary!`], so nothing unwinds into C.
+//!
+//! Exported functions take raw pointers from C and are safe Rust functions: C cannot see
+//! Rust's `unsafe`, so each one checks its pointers for NULL and documents what the caller
+//! must provide, instead of being marked `unsafe`.
+#![allow(clippy::not_unsafe_ptr_arg_deref)]
 
 use std::cell::RefCell;
 use std::ffi::{c_char, c_int, CStr, CString};
@@ -168,7 +173,11 @@ pub(crate) use ffi_boundary;
 ///
 /// # Safety
 /// `s` must be NULL or point to a NUL-terminated string.
-pub(crate) unsafe fn opt_str<'a>(s: *const c_char, what: &str) -> crate::error::Result<Option<&'a str>> {
+#[allow(dead_code)]
+pub(crate) unsafe fn opt_str<'a>(
+    s: *const c_char,
+    what: &str,
+) -> crate::error::Result<Option<&'a str>> {
     if s.is_null() {
         return Ok(None);
     }

@@ -1,6 +1,6 @@
 //! C controls of the simulated device (`TENSORALLOC_DRIVER=sim`), for tests and demos.
 
-use super::{ffi_boundary, fail, stream_id, tensoralloc_status, CUstream_st, TENSORALLOC_OK};
+use super::{fail, ffi_boundary, stream_id, tensoralloc_status, CUstream_st, TENSORALLOC_OK};
 use crate::driver::sim;
 use crate::error::Error;
 use crate::runtime::Runtime;

@@ -16,7 +16,10 @@ pub(crate) struct EventPool {
 
 impl EventPool {
     pub fn new(device: usize) -> EventPool {
-        EventPool { device, free: Mutex::new(Vec::new()) }
+        EventPool {
+            device,
+            free: Mutex::new(Vec::new()),
+        }
     }
 
     /// An event from the pool, or a new one from the driver.

@@ -14,6 +14,7 @@
 //! statistics, so threads working on different streams do not contend.
 
 mod events;
+mod free_index;
 pub mod shard;
 pub mod size;
 pub mod stats;
@@ -23,14 +24,14 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::Arc;
 
-use parking_lot::{Mutex, RwLock};
+use parking_lot::{Mutex, MutexGuard, RwLock};
 
-use crate::config::Config;
+use crate::config::{roundup_interval, Config, ROUNDUP_INTERVALS};
 use crate::driver::{Driver, Event, Stream};
 use crate::error::{Error, Result};
 use events::EventPool;
 use shard::{ShardInner, StatSink, State};
-use size::{format_bytes, round_size, segment_size, PoolKind, MAX_REQUEST};
+use size::{format_bytes, round_size_with, segment_size, PoolKind, MAX_REQUEST};
 use stats::{DeviceCounters, DeviceStats, ShardStats, Stat, StatKind, TRACKED};
 use table::ShardTable;
 
@@ -51,6 +52,7 @@ pub struct DeviceAllocator {
     driver: Arc<dyn Driver>,
     max_split_size: usize,
     gc_threshold: f64,
+    roundup_divisions: [usize; ROUNDUP_INTERVALS],
     shards: ShardTable<Shard>,
     /// Every segment of the device: start -> (size, shard index). Used to find the owner of a
     /// pointer when the caller's stream hint is missing or wrong.
@@ -66,10 +68,12 @@ struct Sink<'a> {
 }
 
 impl StatSink for Sink<'_> {
-    #[inline]
+    #[inline(always)]
     fn change(&mut self, index: usize, delta: i64) {
         let alloc = self.alloc;
-        alloc.counters.change(&self.shard.stats, index, delta, |i| alloc.total_current(i));
+        alloc
+            .counters
+            .change(&self.shard.stats, index, delta, |i| alloc.total_current(i));
     }
 }
 
@@ -90,6 +94,7 @@ impl DeviceAllocator {
             driver,
             max_split_size: config.max_split_size,
             gc_threshold: config.garbage_collection_threshold,
+            roundup_divisions: config.roundup_power2_divisions,
             shards: ShardTable::new(),
             segments: RwLock::new(BTreeMap::new()),
             events: EventPool::new(device),
@@ -121,7 +126,10 @@ impl DeviceAllocator {
     }
 
     fn total_current(&self, index: usize) -> i64 {
-        self.shards.iter().map(|s| s.stats.cells[index].current.load(Relaxed)).sum()
+        self.shards
+            .iter()
+            .map(|s| s.stats.cells[index].current.load(Relaxed))
+            .sum()
     }
 
     /// Allocates `size` bytes for use on `stream`. Returns the address, or 0 for a size of 0.
@@ -133,10 +141,13 @@ impl DeviceAllocator {
             return Err(Error::InvalidArgument(if size > isize::MAX as usize {
                 format!("size {size} is absurd (a negative number passed as size_t?)")
             } else {
-                format!("size {size} ({}) is larger than any device", format_bytes(size as u64))
+                format!(
+                    "size {size} ({}) is larger than any device",
+                    format_bytes(size as u64)
+                )
             }));
         }
-        let rounded = round_size(size);
+        let rounded = round_size_with(size, self.roundup_divisions[roundup_interval(size)]);
         let pool = PoolKind::for_size(rounded);
         let shard = self.shard(stream)?;
         let mut retried = false;
@@ -145,33 +156,49 @@ impl DeviceAllocator {
             if !inner.pending.is_empty() {
                 self.process_events(shard, &mut inner);
             }
-            if let Some(id) = inner.take_best_fit(pool, rounded, self.max_split_size) {
-                return Ok(inner.allocate(id, rounded, size, self.max_split_size, &mut self.sink(shard)));
-            }
-            let seg = segment_size(rounded);
-            if self.gc_threshold > 0.0 {
-                self.collect_garbage(shard, &mut inner, seg);
-            }
-            match self.driver.mem_alloc(self.device, seg) {
-                Ok(addr) => {
-                    DeviceCounters::bump(&self.counters.num_device_alloc);
-                    self.segments.write().insert(addr, (seg, shard.index));
-                    let id = inner.add_segment(addr, seg, pool, self.max_split_size, &mut self.sink(shard));
-                    return Ok(inner.allocate(id, rounded, size, self.max_split_size, &mut self.sink(shard)));
+            let found = inner.take_best_fit(pool, rounded, self.max_split_size);
+            let id = match found {
+                Some(id) => id,
+                None => {
+                    let seg = segment_size(rounded);
+                    if self.gc_threshold > 0.0 {
+                        self.collect_garbage(shard, &mut inner, seg);
+                    }
+                    match self.driver.mem_alloc(self.device, seg) {
+                        Ok(addr) => {
+                            DeviceCounters::bump(&self.counters.num_device_alloc);
+                            self.segments.write().insert(addr, (seg, shard.index));
+                            inner.add_segment(
+                                addr,
+                                seg,
+                                pool,
+                                self.max_split_size,
+                                &mut self.sink(shard),
+                            )
+                        }
+                        Err(Error::OutOfMemory(_)) if !retried => {
+                            drop(inner);
+                            DeviceCounters::bump(&self.counters.num_alloc_retries);
+                            self.release_cached()?;
+                            retried = true;
+                            continue;
+                        }
+                        Err(Error::OutOfMemory(_)) => {
+                            drop(inner);
+                            DeviceCounters::bump(&self.counters.num_ooms);
+                            return Err(self.out_of_memory(size));
+                        }
+                        Err(e) => return Err(e),
+                    }
                 }
-                Err(Error::OutOfMemory(_)) if !retried => {
-                    drop(inner);
-                    DeviceCounters::bump(&self.counters.num_alloc_retries);
-                    self.release_cached()?;
-                    retried = true;
-                }
-                Err(Error::OutOfMemory(_)) => {
-                    drop(inner);
-                    DeviceCounters::bump(&self.counters.num_ooms);
-                    return Err(self.out_of_memory(size));
-                }
-                Err(e) => return Err(e),
-            }
+            };
+            return Ok(inner.allocate(
+                id,
+                rounded,
+                size,
+                self.max_split_size,
+                &mut self.sink(shard),
+            ));
         }
     }
 
@@ -217,21 +244,10 @@ impl DeviceAllocator {
         if ptr == 0 {
             return Ok(true);
         }
-        let mut found = None;
-        if let Some(shard) = stream_hint.and_then(|s| self.shards.get(s)) {
-            let mut inner = shard.inner.lock();
-            if let Some(id) = inner.unallocate(ptr, self.max_split_size, &mut self.sink(shard)) {
-                found = Some((shard, inner, id));
-            }
-        }
-        if found.is_none() {
-            if let Some(shard) = self.owner_of(ptr) {
-                let mut inner = shard.inner.lock();
-                if let Some(id) = inner.unallocate(ptr, self.max_split_size, &mut self.sink(shard)) {
-                    found = Some((shard, inner, id));
-                }
-            }
-        }
+        let found = stream_hint
+            .and_then(|s| self.shards.get(s))
+            .and_then(|shard| self.unallocate_in(shard, ptr))
+            .or_else(|| self.unallocate_in(self.owner_of(ptr)?, ptr));
         let Some((shard, inner, id)) = found else {
             return Ok(false);
         };
@@ -239,7 +255,23 @@ impl DeviceAllocator {
         Ok(true)
     }
 
-    fn finish_free(&self, shard: &Shard, mut inner: parking_lot::MutexGuard<'_, ShardInner>, id: u32) -> Result<()> {
+    /// Takes the allocation at `ptr` back from `shard`'s client, if `shard` has it allocated.
+    fn unallocate_in<'a>(
+        &'a self,
+        shard: &'a Shard,
+        ptr: usize,
+    ) -> Option<(&'a Shard, MutexGuard<'a, ShardInner>, u32)> {
+        let mut inner = shard.inner.lock();
+        let id = inner.unallocate(ptr, self.max_split_size, &mut self.sink(shard))?;
+        Some((shard, inner, id))
+    }
+
+    fn finish_free(
+        &self,
+        shard: &Shard,
+        mut inner: MutexGuard<'_, ShardInner>,
+        id: u32,
+    ) -> Result<()> {
         let uses = std::mem::take(&mut inner.block_mut(id).stream_uses);
         if uses.is_empty() {
             inner.release(id, &mut self.sink(shard));
@@ -250,7 +282,11 @@ impl DeviceAllocator {
         let mut recorded: Vec<Event> = Vec::with_capacity(uses.len());
         let mut failure = None;
         for s in uses {
-            match self.events.get(&self.driver).and_then(|e| self.driver.event_record(self.device, e, s).map(|()| e)) {
+            match self
+                .events
+                .get(&self.driver)
+                .and_then(|e| self.driver.event_record(self.device, e, s).map(|()| e))
+            {
                 Ok(e) => recorded.push(e),
                 Err(e) => failure = Some(e),
             }
@@ -317,7 +353,13 @@ impl DeviceAllocator {
         let shard = self.owner_of(ptr).ok_or_else(unknown)?;
         if stream == shard.stream {
             // The allocation stream is always waited for implicitly.
-            return shard.inner.lock().live.contains_key(&ptr).then_some(()).ok_or_else(unknown);
+            return shard
+                .inner
+                .lock()
+                .live
+                .contains_key(&ptr)
+                .then_some(())
+                .ok_or_else(unknown);
         }
         let mut inner = shard.inner.lock();
         let id = *inner.live.get(&ptr).ok_or_else(unknown)?;
@@ -336,7 +378,10 @@ impl DeviceAllocator {
             let done = match self.driver.event_query(self.device, event) {
                 Ok(done) => done,
                 Err(e) => {
-                    eprintln!("tensoralloc: device {}: event query failed ({e}); waiting for it", self.device);
+                    eprintln!(
+                        "tensoralloc: device {}: event query failed ({e}); waiting for it",
+                        self.device
+                    );
                     self.driver.event_synchronize(self.device, event).is_ok()
                 }
             };
@@ -370,7 +415,12 @@ impl DeviceAllocator {
     }
 
     /// Returns unused whole segments of `shard` to the driver until `goal` bytes are released.
-    fn release_segments(&self, shard: &Shard, inner: &mut ShardInner, goal: usize) -> Result<usize> {
+    fn release_segments(
+        &self,
+        shard: &Shard,
+        inner: &mut ShardInner,
+        goal: usize,
+    ) -> Result<usize> {
         let mut released = 0;
         for id in inner.whole_free_segments() {
             if released >= goal {
@@ -389,8 +439,12 @@ impl DeviceAllocator {
     /// Before growing past the garbage-collection threshold, return this stream's unused
     /// segments to the driver.
     fn collect_garbage(&self, shard: &Shard, inner: &mut ShardInner, want: usize) {
-        let Ok(info) = self.driver.mem_info(self.device) else { return };
-        let reserved = self.total_current(stats::aggregate(StatKind::ReservedBytes)).max(0) as u64;
+        let Ok(info) = self.driver.mem_info(self.device) else {
+            return;
+        };
+        let reserved = self
+            .total_current(stats::aggregate(StatKind::ReservedBytes))
+            .max(0) as u64;
         let limit = (info.total as f64 * self.gc_threshold) as u64;
         if reserved + want as u64 > limit {
             let _ = self.release_segments(shard, inner, (reserved + want as u64 - limit) as usize);
@@ -432,7 +486,7 @@ impl DeviceAllocator {
                 let c = &shard.stats.cells[i];
                 s.current += c.current.load(Relaxed);
                 s.allocated += c.allocated.load(Relaxed);
-                s.freed += c.freed.load(Relaxed);
+                s.freed += c.freed();
             }
             s.peak = self.counters.peak[i].load(Relaxed).max(s.current);
             out.set(i, s);
@@ -444,7 +498,11 @@ impl DeviceAllocator {
         out.num_device_alloc = c.num_device_alloc.load(Relaxed);
         out.num_device_free = c.num_device_free.load(Relaxed);
         out.num_invalid_frees = c.num_invalid_frees.load(Relaxed);
-        out.max_split_size = if self.max_split_size == usize::MAX { -1 } else { self.max_split_size as i64 };
+        out.max_split_size = if self.max_split_size == usize::MAX {
+            -1
+        } else {
+            self.max_split_size as i64
+        };
         out
     }
 
@@ -472,8 +530,7 @@ impl DeviceAllocator {
         let _guards: Vec<_> = shards.iter().map(|s| s.inner.lock()).collect();
         for s in &shards {
             for c in &s.stats.cells {
-                c.allocated.store(0, Relaxed);
-                c.freed.store(0, Relaxed);
+                c.reset_accumulated();
             }
         }
         let c = &self.counters;
@@ -493,7 +550,10 @@ impl DeviceAllocator {
     pub fn is_allocated(&self, ptr: usize) -> bool {
         self.owner_of(ptr).is_some_and(|s| {
             let inner = s.inner.lock();
-            inner.live.get(&ptr).is_some_and(|&id| inner.block(id).state == State::Allocated)
+            inner
+                .live
+                .get(&ptr)
+                .is_some_and(|&id| inner.block(id).state == State::Allocated)
         })
     }
 }

@@ -11,9 +11,10 @@
 //! - a block is in its pool's free index exactly when its state is [`State::Free`];
 //! - `live` maps the address of every allocated block (state [`State::Allocated`]) to its id.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
+use super::free_index::FreeIndex;
 use super::size::{should_split, PoolKind};
 use super::stats::{aggregate, of_pool, StatKind, OVERSIZE_ALLOCATIONS, OVERSIZE_SEGMENTS};
 use crate::driver::{Event, Stream};
@@ -76,6 +77,7 @@ impl Hasher for AddrHasher {
 pub(crate) trait StatSink {
     fn change(&mut self, index: usize, delta: i64);
 
+    #[inline(always)]
     fn both(&mut self, kind: StatKind, pool: PoolKind, delta: i64) {
         self.change(aggregate(kind), delta);
         self.change(of_pool(kind, pool), delta);
@@ -88,8 +90,8 @@ pub(crate) struct ShardInner {
     pub blocks: Vec<Block>,
     spare: Vec<u32>,
     /// Free blocks by (size, address): best fit, then lowest address.
-    small: BTreeSet<(usize, usize, u32)>,
-    large: BTreeSet<(usize, usize, u32)>,
+    small: FreeIndex,
+    large: FreeIndex,
     /// Allocated blocks by address.
     pub live: HashMap<usize, u32, BuildHasherDefault<AddrHasher>>,
     /// Events recorded for blocks in [`State::AwaitingEvents`].
@@ -126,7 +128,7 @@ impl ShardInner {
         &mut self.blocks[id as usize]
     }
 
-    fn index_of(&mut self, pool: PoolKind) -> &mut BTreeSet<(usize, usize, u32)> {
+    fn index_of(&mut self, pool: PoolKind) -> &mut FreeIndex {
         match pool {
             PoolKind::Small => &mut self.small,
             PoolKind::Large => &mut self.large,
@@ -148,8 +150,13 @@ impl ShardInner {
     }
 
     /// Takes the best-fitting free block for `rounded` bytes out of `pool`, if one may serve it.
-    pub fn take_best_fit(&mut self, pool: PoolKind, rounded: usize, max_split_size: usize) -> Option<u32> {
-        let &(size, _, id) = self.index_of(pool).range((rounded, 0, 0)..).next()?;
+    pub fn take_best_fit(
+        &mut self,
+        pool: PoolKind,
+        rounded: usize,
+        max_split_size: usize,
+    ) -> Option<u32> {
+        let (size, _, id) = self.index_of(pool).first_at_least((rounded, 0, 0))?;
         // Larger candidates would break the oversize rules too, so the first one decides.
         if !super::size::block_fits(size, rounded, max_split_size) {
             return None;
@@ -159,7 +166,14 @@ impl ShardInner {
     }
 
     /// Adds a new segment as one block (not in any pool yet) and counts it.
-    pub fn add_segment(&mut self, addr: usize, size: usize, pool: PoolKind, max_split_size: usize, stats: &mut impl StatSink) -> u32 {
+    pub fn add_segment(
+        &mut self,
+        addr: usize,
+        size: usize,
+        pool: PoolKind,
+        max_split_size: usize,
+        stats: &mut impl StatSink,
+    ) -> u32 {
         stats.both(StatKind::Segment, pool, 1);
         stats.both(StatKind::ReservedBytes, pool, size as i64);
         if size >= max_split_size {
@@ -180,7 +194,14 @@ impl ShardInner {
 
     /// Hands block `id` (out of the pools) to a client for `requested` bytes rounded to
     /// `rounded`, splitting off the rest when it is worth keeping.
-    pub fn allocate(&mut self, id: u32, rounded: usize, requested: usize, max_split_size: usize, stats: &mut impl StatSink) -> usize {
+    pub fn allocate(
+        &mut self,
+        id: u32,
+        rounded: usize,
+        requested: usize,
+        max_split_size: usize,
+        stats: &mut impl StatSink,
+    ) -> usize {
         let (pool, size, was_split) = {
             let b = &self.blocks[id as usize];
             (b.pool, b.size, b.is_split())
@@ -233,7 +254,12 @@ impl ShardInner {
 
     /// The client frees the allocated block at `addr`. Returns its id, or `None` if no block
     /// of this shard is allocated there. The block stays active until [`ShardInner::release`].
-    pub fn unallocate(&mut self, addr: usize, max_split_size: usize, stats: &mut impl StatSink) -> Option<u32> {
+    pub fn unallocate(
+        &mut self,
+        addr: usize,
+        max_split_size: usize,
+        stats: &mut impl StatSink,
+    ) -> Option<u32> {
         let id = self.live.remove(&addr)?;
         let b = &mut self.blocks[id as usize];
         b.state = State::AwaitingEvents;
@@ -308,13 +334,18 @@ impl ShardInner {
         self.small
             .iter()
             .chain(self.large.iter())
-            .map(|&(_, _, id)| id)
+            .map(|(_, _, id)| id)
             .filter(|&id| !self.blocks[id as usize].is_split())
             .collect()
     }
 
     /// Removes a whole free segment; returns its address and size.
-    pub fn remove_segment(&mut self, id: u32, max_split_size: usize, stats: &mut impl StatSink) -> (usize, usize) {
+    pub fn remove_segment(
+        &mut self,
+        id: u32,
+        max_split_size: usize,
+        stats: &mut impl StatSink,
+    ) -> (usize, usize) {
         self.remove_free(id);
         let b = &self.blocks[id as usize];
         debug_assert!(!b.is_split() && b.state == State::Free);

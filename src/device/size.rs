@@ -39,6 +39,19 @@ pub fn round_size(size: usize) -> usize {
     size.max(1).next_multiple_of(MIN_BLOCK_SIZE)
 }
 
+/// A request rounded as PyTorch's `roundup_power2_divisions` asks: with `divisions` > 1 (a
+/// power of two) and a request larger than `divisions` blocks, each range between powers of
+/// two is cut into `divisions` equal steps and the request rounded up to the next step, so
+/// that similar sizes share blocks; otherwise [`round_size`].
+pub fn round_size_with(size: usize, divisions: usize) -> usize {
+    if divisions > 1 && size > MIN_BLOCK_SIZE * divisions && !size.is_power_of_two() {
+        let floor = 1usize << (usize::BITS - 1 - size.leading_zeros());
+        // floor > 256 * divisions and both are powers of two, so the step is a multiple of 512.
+        return size.next_multiple_of(floor / divisions);
+    }
+    round_size(size)
+}
+
 /// Size of the segment to ask the driver for when no cached block fits `rounded` bytes.
 pub fn segment_size(rounded: usize) -> usize {
     if rounded <= SMALL_SIZE {
@@ -53,7 +66,12 @@ pub fn segment_size(rounded: usize) -> usize {
 /// Whether a free block of `block_size` bytes serving `rounded` bytes is split, leaving the
 /// rest in the pool: in the small pool when the rest can hold a block at all; in the large pool
 /// when the rest is over [`SMALL_SIZE`] and the request is under `max_split_size`.
-pub fn should_split(pool: PoolKind, block_size: usize, rounded: usize, max_split_size: usize) -> bool {
+pub fn should_split(
+    pool: PoolKind,
+    block_size: usize,
+    rounded: usize,
+    max_split_size: usize,
+) -> bool {
     let remaining = block_size - rounded;
     match pool {
         PoolKind::Small => remaining >= MIN_BLOCK_SIZE,
@@ -102,6 +120,27 @@ mod tests {
     }
 
     #[test]
+    fn power2_divisions_round_to_equal_steps_between_powers_of_two() {
+        assert_eq!(
+            round_size_with(1_300_000, 4),
+            5 << 18,
+            "steps of 256 KiB between 1 and 2 MiB"
+        );
+        assert_eq!(round_size_with(1 << 20, 4), 1 << 20, "powers of two stay");
+        assert_eq!(
+            round_size_with(1000, 4),
+            1024,
+            "too small to divide: 512 B rounding"
+        );
+        assert_eq!(round_size_with(1_300_000, 1), round_size(1_300_000));
+        assert_eq!(
+            round_size_with((96 << 20) + 1, 8),
+            104 << 20,
+            "steps of 8 MiB between 64 and 128 MiB"
+        );
+    }
+
+    #[test]
     fn segment_sizes_follow_the_pool_rules() {
         assert_eq!(segment_size(512), 2 << 20);
         assert_eq!(segment_size(1 << 20), 2 << 20);
@@ -115,9 +154,24 @@ mod tests {
     fn split_thresholds_differ_by_pool() {
         assert!(should_split(PoolKind::Small, 1024, 512, usize::MAX));
         assert!(!should_split(PoolKind::Small, 1024, 1024, usize::MAX));
-        assert!(should_split(PoolKind::Large, 20 << 20, (19 << 20) - 512, usize::MAX));
-        assert!(should_split(PoolKind::Large, 20 << 20, 18 << 20, usize::MAX));
-        assert!(!should_split(PoolKind::Large, 20 << 20, 19 << 20, usize::MAX));
+        assert!(should_split(
+            PoolKind::Large,
+            20 << 20,
+            (19 << 20) - 512,
+            usize::MAX
+        ));
+        assert!(should_split(
+            PoolKind::Large,
+            20 << 20,
+            18 << 20,
+            usize::MAX
+        ));
+        assert!(!should_split(
+            PoolKind::Large,
+            20 << 20,
+            19 << 20,
+            usize::MAX
+        ));
         assert!(!should_split(PoolKind::Large, 40 << 20, 30 << 20, 25 << 20));
     }
 

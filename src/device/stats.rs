@@ -125,12 +125,27 @@ impl DeviceStats {
 }
 
 /// One statistic of one shard. Written only under the shard's lock.
+///
+/// `freed` is not stored: it is `allocated - current + freed_base`, where `freed_base` is the
+/// current value when accumulated statistics were last reset, so a decrease writes one word.
 #[derive(Default)]
 pub(crate) struct Cell {
     pub current: AtomicI64,
     pub local_peak: AtomicI64,
     pub allocated: AtomicI64,
-    pub freed: AtomicI64,
+    pub freed_base: AtomicI64,
+}
+
+impl Cell {
+    pub fn freed(&self) -> i64 {
+        self.allocated.load(Relaxed) - self.current.load(Relaxed) + self.freed_base.load(Relaxed)
+    }
+
+    /// Starts the accumulated totals from zero.
+    pub fn reset_accumulated(&self) {
+        self.allocated.store(0, Relaxed);
+        self.freed_base.store(self.current.load(Relaxed), Relaxed);
+    }
 }
 
 /// The statistics of one stream shard.
@@ -140,7 +155,9 @@ pub(crate) struct ShardStats {
 
 impl Default for ShardStats {
     fn default() -> Self {
-        ShardStats { cells: std::array::from_fn(|_| Cell::default()) }
+        ShardStats {
+            cells: std::array::from_fn(|_| Cell::default()),
+        }
     }
 }
 
@@ -176,16 +193,26 @@ impl DeviceCounters {
     /// Adds `delta` to statistic `index` of `shard`. The caller holds the shard's lock;
     /// `total` sums the current value of `index` over all shards (called only when the device
     /// peak may have been passed).
-    #[inline]
-    pub fn change(&self, shard: &ShardStats, index: usize, delta: i64, total: impl Fn(usize) -> i64) {
+    #[inline(always)]
+    pub fn change(
+        &self,
+        shard: &ShardStats,
+        index: usize,
+        delta: i64,
+        total: impl Fn(usize) -> i64,
+    ) {
         let cell = &shard.cells[index];
         let current = cell.current.load(Relaxed) + delta;
         cell.current.store(current, Relaxed);
-        if delta < 0 {
-            cell.freed.store(cell.freed.load(Relaxed) - delta, Relaxed);
-            return;
+        if delta > 0 {
+            cell.allocated
+                .store(cell.allocated.load(Relaxed) + delta, Relaxed);
+            self.track_peak(cell, index, current, total);
         }
-        cell.allocated.store(cell.allocated.load(Relaxed) + delta, Relaxed);
+    }
+
+    #[inline(always)]
+    fn track_peak(&self, cell: &Cell, index: usize, current: i64, total: impl Fn(usize) -> i64) {
         let mut local_peak = cell.local_peak.load(Relaxed);
         if current > local_peak {
             self.sum_local_peaks[index].fetch_add(current - local_peak, Relaxed);
@@ -194,8 +221,14 @@ impl DeviceCounters {
         }
         let others_bound = self.sum_local_peaks[index].load(Relaxed) - local_peak;
         if current + others_bound > self.peak[index].load(Relaxed) {
-            self.peak[index].fetch_max(total(index), Relaxed);
+            self.raise_peak(index, total);
         }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn raise_peak(&self, index: usize, total: impl Fn(usize) -> i64) {
+        self.peak[index].fetch_max(total(index), Relaxed);
     }
 
     pub fn bump(counter: &AtomicI64) {

@@ -32,7 +32,9 @@ fn bucket_of(key: usize) -> usize {
 impl<T> ShardTable<T> {
     pub fn new() -> Self {
         ShardTable {
-            slots: (0..MAX_SHARDS).map(|_| AtomicPtr::new(std::ptr::null_mut())).collect(),
+            slots: (0..MAX_SHARDS)
+                .map(|_| AtomicPtr::new(std::ptr::null_mut()))
+                .collect(),
             count: AtomicUsize::new(0),
             buckets: (0..BUCKETS).map(|_| AtomicU32::new(0)).collect(),
             keys: (0..BUCKETS).map(|_| AtomicUsize::new(0)).collect(),

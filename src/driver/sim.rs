@@ -40,7 +40,11 @@ pub struct SimConfig {
 
 impl Default for SimConfig {
     fn default() -> Self {
-        SimConfig { devices: 1, capacity: DEFAULT_CAPACITY, backed: true }
+        SimConfig {
+            devices: 1,
+            capacity: DEFAULT_CAPACITY,
+            backed: true,
+        }
     }
 }
 
@@ -54,7 +58,9 @@ impl SimConfig {
                 Error::Config(format!("TENSORALLOC_SIM_MEMORY={v:?}: {}", e.message()))
             })?;
             if config.capacity == 0 {
-                return Err(Error::Config("TENSORALLOC_SIM_MEMORY must be more than 0 bytes".into()));
+                return Err(Error::Config(
+                    "TENSORALLOC_SIM_MEMORY must be more than 0 bytes".into(),
+                ));
             }
         }
         if let Ok(v) = std::env::var("TENSORALLOC_SIM_DEVICES") {
@@ -64,7 +70,9 @@ impl SimConfig {
                 .ok()
                 .filter(|n| (1..=64).contains(n))
                 .ok_or_else(|| {
-                    Error::Config(format!("TENSORALLOC_SIM_DEVICES={v:?} is not a device count from 1 to 64"))
+                    Error::Config(format!(
+                        "TENSORALLOC_SIM_DEVICES={v:?} is not a device count from 1 to 64"
+                    ))
                 })?;
         }
         Ok(config)
@@ -142,7 +150,11 @@ impl SimDevice {
             span,
             capacity,
             backed,
-            state: Mutex::new(DeviceState { used: 0, free, live: HashMap::new() }),
+            state: Mutex::new(DeviceState {
+                used: 0,
+                free,
+                live: HashMap::new(),
+            }),
         })
     }
 
@@ -156,9 +168,15 @@ impl SimDevice {
                 self.capacity
             )));
         }
-        let found = st.free.iter().find(|(_, &len)| len >= size).map(|(&a, &l)| (a, l));
+        let found = st
+            .free
+            .iter()
+            .find(|(_, &len)| len >= size)
+            .map(|(&a, &l)| (a, l));
         let Some((start, len)) = found else {
-            return Err(Error::OutOfMemory("simulated device address space is fragmented".into()));
+            return Err(Error::OutOfMemory(
+                "simulated device address space is fragmented".into(),
+            ));
         };
         st.free.remove(&start);
         if len > size {
@@ -220,7 +238,8 @@ struct StreamState {
     releases: u64,
 }
 
-static STREAMS: Lazy<Mutex<HashMap<Stream, StreamState>>> = Lazy::new(|| Mutex::new(HashMap::new()));
+static STREAMS: Lazy<Mutex<HashMap<Stream, StreamState>>> =
+    Lazy::new(|| Mutex::new(HashMap::new()));
 
 /// Holds `stream`: events recorded on it from now on stay pending until [`release_stream`].
 pub fn hold_stream(stream: Stream) {
@@ -277,7 +296,9 @@ impl SimDriver {
     /// A simulated driver with `config`.
     pub fn new(config: SimConfig) -> Result<SimDriver> {
         if config.devices == 0 {
-            return Err(Error::Config("a simulated driver needs at least one device".into()));
+            return Err(Error::Config(
+                "a simulated driver needs at least one device".into(),
+            ));
         }
         let devices = (0..config.devices)
             .map(|i| SimDevice::new(i, config.capacity, config.backed))
@@ -294,7 +315,11 @@ impl SimDriver {
 
     /// A shared simulated driver with `devices` devices of `capacity` bytes each.
     pub fn shared(devices: usize, capacity: u64) -> Result<Arc<SimDriver>> {
-        Ok(Arc::new(SimDriver::new(SimConfig { devices, capacity, backed: true })?))
+        Ok(Arc::new(SimDriver::new(SimConfig {
+            devices,
+            capacity,
+            backed: true,
+        })?))
     }
 
     /// The configuration this driver was built with.
@@ -345,7 +370,10 @@ impl Driver for SimDriver {
     fn mem_info(&self, device: usize) -> Result<MemInfo> {
         let d = self.device(device)?;
         let used = d.state.lock().used;
-        Ok(MemInfo { free: d.capacity - used, total: d.capacity })
+        Ok(MemInfo {
+            free: d.capacity - used,
+            total: d.capacity,
+        })
     }
 
     fn event_create(&self, device: usize) -> Result<Event> {
@@ -357,10 +385,12 @@ impl Driver for SimDriver {
     }
 
     fn event_destroy(&self, _device: usize, event: Event) -> Result<()> {
-        self.events
-            .lock()
-            .remove(&event.0)
-            .ok_or_else(|| Error::Driver(format!("CUDA_ERROR_INVALID_HANDLE: event {} does not exist", event.0)))?;
+        self.events.lock().remove(&event.0).ok_or_else(|| {
+            Error::Driver(format!(
+                "CUDA_ERROR_INVALID_HANDLE: event {} does not exist",
+                event.0
+            ))
+        })?;
         Self::bump(&self.counters.events_destroyed);
         Ok(())
     }
@@ -369,36 +399,49 @@ impl Driver for SimDriver {
         let state = {
             let streams = STREAMS.lock();
             match streams.get(&stream) {
-                Some(s) if s.held => EventState::Pending { stream, releases: s.releases },
+                Some(s) if s.held => EventState::Pending {
+                    stream,
+                    releases: s.releases,
+                },
                 _ => EventState::Done,
             }
         };
         let mut events = self.events.lock();
-        let slot = events
-            .get_mut(&event.0)
-            .ok_or_else(|| Error::Driver(format!("CUDA_ERROR_INVALID_HANDLE: event {} does not exist", event.0)))?;
+        let slot = events.get_mut(&event.0).ok_or_else(|| {
+            Error::Driver(format!(
+                "CUDA_ERROR_INVALID_HANDLE: event {} does not exist",
+                event.0
+            ))
+        })?;
         *slot = state;
         Self::bump(&self.counters.event_records);
         Ok(())
     }
 
     fn event_query(&self, _device: usize, event: Event) -> Result<bool> {
-        let state = *self
-            .events
-            .lock()
-            .get(&event.0)
-            .ok_or_else(|| Error::Driver(format!("CUDA_ERROR_INVALID_HANDLE: event {} does not exist", event.0)))?;
+        let state = *self.events.lock().get(&event.0).ok_or_else(|| {
+            Error::Driver(format!(
+                "CUDA_ERROR_INVALID_HANDLE: event {} does not exist",
+                event.0
+            ))
+        })?;
         Ok(match state {
             EventState::Done => true,
-            EventState::Pending { stream, releases } => STREAMS.lock().get(&stream).is_none_or(|s| s.releases > releases),
+            EventState::Pending { stream, releases } => STREAMS
+                .lock()
+                .get(&stream)
+                .is_none_or(|s| s.releases > releases),
         })
     }
 
     fn event_synchronize(&self, _device: usize, event: Event) -> Result<()> {
         let mut events = self.events.lock();
-        let slot = events
-            .get_mut(&event.0)
-            .ok_or_else(|| Error::Driver(format!("CUDA_ERROR_INVALID_HANDLE: event {} does not exist", event.0)))?;
+        let slot = events.get_mut(&event.0).ok_or_else(|| {
+            Error::Driver(format!(
+                "CUDA_ERROR_INVALID_HANDLE: event {} does not exist",
+                event.0
+            ))
+        })?;
         // Waiting finishes the captured work.
         *slot = EventState::Done;
         Self::bump(&self.counters.event_syncs);
@@ -425,12 +468,16 @@ impl Driver for SimDriver {
             )
         };
         if p == libc::MAP_FAILED {
-            return Err(Error::OutOfMemory(format!("cannot map {size} bytes of host memory")));
+            return Err(Error::OutOfMemory(format!(
+                "cannot map {size} bytes of host memory"
+            )));
         }
         // Lock the pages where the process may; pinned memory is page-locked on a real driver.
         // SAFETY: [p, p+size) is the mapping just made.
         let locked = unsafe { libc::mlock(p, size) } == 0;
-        self.host.lock().insert(p as usize, HostRange::Pinned { size, locked });
+        self.host
+            .lock()
+            .insert(p as usize, HostRange::Pinned { size, locked });
         Self::bump(&self.counters.host_alloc);
         Ok(p as usize)
     }
@@ -464,7 +511,9 @@ impl Driver for SimDriver {
 
     fn host_register(&self, ptr: usize, size: usize) -> Result<()> {
         if ptr == 0 || size == 0 {
-            return Err(Error::Driver("CUDA_ERROR_INVALID_VALUE: empty range to register".into()));
+            return Err(Error::Driver(
+                "CUDA_ERROR_INVALID_VALUE: empty range to register".into(),
+            ));
         }
         // Registered memory is simply remembered: the caller owns the pages.
         let mut host = self.host.lock();
@@ -482,7 +531,9 @@ impl Driver for SimDriver {
         {
             let mut host = self.host.lock();
             if !matches!(host.get(&ptr), Some(HostRange::Registered)) {
-                return Err(Error::Driver(format!("CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED: {ptr:#x}")));
+                return Err(Error::Driver(format!(
+                    "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED: {ptr:#x}"
+                )));
             }
             host.remove(&ptr);
         }

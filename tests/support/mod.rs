@@ -13,9 +13,16 @@ pub fn root() -> PathBuf {
 /// The directory holding `libtensoralloc.so` for this test build (target/<profile>).
 pub fn lib_dir() -> PathBuf {
     let exe = std::env::current_exe().expect("test executable path");
-    let dir = exe.parent().and_then(Path::parent).expect("target/<profile>/deps/<test>");
+    let dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("target/<profile>/deps/<test>");
     let lib = dir.join("libtensoralloc.so");
-    assert!(lib.exists(), "{} is missing: build the library with `cargo build` first", lib.display());
+    assert!(
+        lib.exists(),
+        "{} is missing: build the library with `cargo build` first",
+        lib.display()
+    );
     dir.to_path_buf()
 }
 
@@ -26,9 +33,19 @@ pub fn cc() -> String {
 
 /// Runs `cmd`, returning its combined output, and panics with that output when it fails.
 pub fn run(cmd: &mut Command, what: &str) -> String {
-    let out = cmd.output().unwrap_or_else(|e| panic!("{what}: cannot start {cmd:?}: {e}"));
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success(), "{what} failed ({}):\n{text}", out.status);
+    let out = cmd
+        .output()
+        .unwrap_or_else(|e| panic!("{what}: cannot start {cmd:?}: {e}"));
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        out.status.success(),
+        "{what} failed ({}):\n{text}",
+        out.status
+    );
     text
 }
 
@@ -38,5 +55,22 @@ pub fn with_driver(cmd: &mut Command) -> &mut Command {
     if std::env::var_os("TENSORALLOC_DRIVER").is_none() {
         cmd.env("TENSORALLOC_DRIVER", "sim");
     }
+    cmd
+}
+
+/// A command that compiles the C program `src` into `exe`, linked against `libtensoralloc.so`
+/// in `lib` (found again at run time through an rpath). Add flags before running it.
+pub fn compile_c(src: &Path, exe: &Path, lib: &Path) -> Command {
+    let mut cmd = Command::new(cc());
+    cmd.arg("-std=c99")
+        .arg("-I")
+        .arg(root().join("include"))
+        .arg(src)
+        .arg("-o")
+        .arg(exe)
+        .arg("-L")
+        .arg(lib)
+        .args(["-ltensoralloc", "-lpthread"])
+        .arg(format!("-Wl,-rpath,{}", lib.display()));
     cmd
 }
