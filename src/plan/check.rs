@@ -56,7 +56,7 @@ pub fn validate(allocs: &[Allocation], plan: &OffsetPlan, alignment: u64) -> Res
             )));
         }
         let end = offset.checked_add(size);
-        if size > 0 && end.map_or(true, |e| e > plan.arena_size) {
+        if size > 0 && end.is_none_or(|e| e > plan.arena_size) {
             return Err(Error::InvalidArgument(format!(
                 "allocation {i} ({size} bytes at offset {offset}) ends past the arena ({} bytes)",
                 plan.arena_size

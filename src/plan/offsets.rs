@@ -319,7 +319,7 @@ impl Problem {
             let mut visit = |start: u64, end: u64| {
                 if start >= top + size {
                     let gap = start - top;
-                    if best.map_or(true, |(g, _)| gap < g) {
+                    if best.is_none_or(|(g, _)| gap < g) {
                         best = Some((gap, top));
                     }
                 }
@@ -515,7 +515,7 @@ impl SparseMax {
 /// Sorts intervals by start. Sorting plain integers is about twice as fast as sorting pairs,
 /// so when the starts fit in 40 bits (after dropping the alignment's zero bits, which `sizes`
 /// share) each key packs a start with the interval's position.
-fn sort_by_start(intervals: &mut Vec<(u64, u64)>, keys: &mut Vec<u64>) {
+fn sort_by_start(intervals: &mut [(u64, u64)], keys: &mut Vec<u64>) {
     const SLOT_BITS: u32 = 24;
     let n = intervals.len();
     let shift = intervals

@@ -376,7 +376,7 @@ impl Profiler {
             self.blob = blob;
             self.blob_size = need;
             self.stats.blob_bytes = need;
-        } else if self.blob != 0 && self.blob % alignment as usize != 0 {
+        } else if self.blob != 0 && !self.blob.is_multiple_of(alignment as usize) {
             return Err(Error::InvalidArgument(format!(
                 "the plan's alignment ({alignment}) is larger than the blob's; make a new allocator"
             )));

@@ -37,7 +37,7 @@ impl Tracer {
         for &i in inputs {
             self.allocs[i].last_use = self.now;
         }
-        if self.random() % 4 == 0 {
+        if self.random().is_multiple_of(4) {
             let workspace = (1 + self.random() % 64) << 16;
             self.tensor(workspace);
         }
