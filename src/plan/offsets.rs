@@ -439,35 +439,41 @@ impl Problem {
     /// then an exact search (with `exhaustive`, every order and a longer search).
     pub(crate) fn best(&self, exhaustive: bool) -> OffsetPlan {
         let bound = self.lower_bound();
-        let mut best = self.pytorch();
-        if best.arena_size > bound {
-            let conflicts = Conflicts::of(self);
-            let mut scratch = self.scratch();
-            let pass_work = conflicts.visits();
-            for (k, order) in Order::ALL.into_iter().enumerate() {
-                if k > 0 && !exhaustive && k * pass_work > BEST_GREEDY_WORK {
-                    break;
-                }
-                let sequence = self.sequence(order, &conflicts.nonzero);
-                let plan = self.greedy_pass(&conflicts, &sequence, &mut scratch);
-                if plan.arena_size < best.arena_size {
-                    best = plan;
-                    if best.arena_size == bound {
-                        break;
-                    }
-                }
+        let conflicts = Conflicts::of(self);
+        let mut scratch = self.scratch();
+        let pass_work = conflicts.visits();
+        let mut best: Option<OffsetPlan> = None;
+        for (k, order) in Order::ALL.into_iter().enumerate() {
+            if k > 0 && !exhaustive && k * pass_work > BEST_GREEDY_WORK {
+                break;
             }
-            let nodes = if exhaustive {
-                Some(EXACT_SEARCH_NODES)
-            } else if conflicts.nonzero.len() <= BEST_SEARCH_LIMIT {
-                Some(BEST_SEARCH_NODES)
-            } else {
-                None
-            };
-            if let Some(nodes) = nodes {
-                if best.arena_size > bound {
-                    best = self.branch_and_bound(&conflicts, best, bound, nodes);
-                }
+            let sequence = self.sequence(order, &conflicts.nonzero);
+            let plan = self.greedy_pass(&conflicts, &sequence, &mut scratch);
+            if best.as_ref().is_none_or(|b| plan.arena_size < b.arena_size) {
+                best = Some(plan);
+            }
+            if best.as_ref().is_some_and(|b| b.arena_size == bound) {
+                break;
+            }
+        }
+        let mut best = best.expect("at least one greedy pass runs");
+        // PyTorch's plan can only win when the greedy ones missed the bound.
+        if best.arena_size > bound {
+            let pytorch = self.pytorch();
+            if pytorch.arena_size < best.arena_size {
+                best = pytorch;
+            }
+        }
+        let nodes = if exhaustive {
+            Some(EXACT_SEARCH_NODES)
+        } else if conflicts.nonzero.len() <= BEST_SEARCH_LIMIT {
+            Some(BEST_SEARCH_NODES)
+        } else {
+            None
+        };
+        if let Some(nodes) = nodes {
+            if best.arena_size > bound {
+                best = self.branch_and_bound(&conflicts, best, bound, nodes);
             }
         }
         best
