@@ -16,6 +16,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Error, Result};
 
 mod check;
+mod greedy;
 pub mod memory;
 mod offsets;
 pub mod profiling;

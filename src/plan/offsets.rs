@@ -4,6 +4,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
+use super::greedy::Greedy;
 use super::{Algorithm, OffsetPlan, Problem};
 
 /// Inputs with at most this many nonzero allocations get an exact search inside `Best`.
@@ -13,9 +14,9 @@ const BEST_SEARCH_LIMIT: usize = 14;
 const BEST_SEARCH_NODES: u64 = 2_000;
 /// Search nodes the `Exact` algorithm may visit (about a second).
 const EXACT_SEARCH_NODES: u64 = 1_000_000;
-/// Neighbour visits `Best` spends on greedy orders after the first: each pass visits every
-/// allocation's conflicts, so dense inputs get fewer extra orders and stay fast.
-const BEST_GREEDY_WORK: usize = 6_000_000;
+/// Work (placed-neighbour visits) `Best` spends on greedy orders after the first: each pass
+/// visits every allocation's conflicts, so dense inputs get fewer extra orders and stay fast.
+const BEST_GREEDY_WORK: usize = 4_000_000;
 
 /// Which allocation the greedy planner places first.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -47,7 +48,8 @@ impl Order {
     }
 }
 
-/// The conflict graph over the nonzero allocations. With the allocations ranked by first use,
+/// The conflict graph over the nonzero allocations, for the exact search. With the allocations
+/// ranked by first use,
 /// the neighbours of `i` that start at or after it are a run of ranks (those starting before
 /// its last use), and the ones that start before it are the allocations still live when it
 /// starts: only the latter are stored, in one sweep, half the graph and written in order.
@@ -103,119 +105,12 @@ impl Conflicts {
         }
     }
 
-    /// Neighbour visits of one greedy pass (each conflict seen from both ends).
-    pub(crate) fn visits(&self) -> usize {
-        2 * self.earlier.len() + self.nonzero.len()
-    }
-
-    /// How many allocations are live together with nonzero allocation `i`.
-    pub(crate) fn degree(&self, i: usize) -> usize {
-        let r = self.rank[i] as usize;
-        self.earlier_start[r + 1] - self.earlier_start[r] + self.later_end[r] as usize - (r + 1)
-    }
-
     /// The allocations live at some time step together with nonzero allocation `i`.
     pub(crate) fn of_alloc(&self, i: usize) -> impl Iterator<Item = u32> + '_ {
-        let (earlier, later) = self.slices(i);
-        earlier.iter().chain(later).copied()
-    }
-
-    /// The same, as the ones that start before `i` and the ones that start during its life.
-    #[inline]
-    fn slices(&self, i: usize) -> (&[u32], &[u32]) {
         let r = self.rank[i] as usize;
-        (
-            &self.earlier[self.earlier_start[r]..self.earlier_start[r + 1]],
-            &self.by_first[r + 1..self.later_end[r] as usize],
-        )
-    }
-}
-
-/// Scratch space reused across greedy passes.
-struct Greedy {
-    offsets: Vec<u64>,
-    placed: Vec<bool>,
-    neighbours: Vec<(u64, u64)>,
-    keys: Vec<u64>,
-    /// End and distinct-offset id (in `index`) of each allocation once placed (`u32::MAX`
-    /// before): one load tells whether a neighbour is placed and where it is.
-    placed_at: Vec<(u64, u32)>,
-    index: OffsetIndex,
-}
-
-/// The distinct offsets placed so far, in order. Greedy layouts stack allocations on the
-/// same few offsets, so there are far fewer distinct offsets than allocations, and the
-/// neighbours of an allocation can be put in offset order by marking their offsets' ranks in
-/// a bitmap, instead of sorting them.
-#[derive(Default)]
-struct OffsetIndex {
-    /// Offsets by rank.
-    values: Vec<u64>,
-    id_at_rank: Vec<u32>,
-    rank_of_id: Vec<u32>,
-    /// Marks, by rank, the offsets of the neighbours being gathered.
-    bits: Vec<u64>,
-    /// Largest end among the gathered neighbours at each rank's offset.
-    max_end: Vec<u64>,
-}
-
-impl OffsetIndex {
-    fn clear(&mut self) {
-        self.values.clear();
-        self.id_at_rank.clear();
-        self.rank_of_id.clear();
-        self.bits.clear();
-        self.max_end.clear();
-    }
-
-    /// The id of `offset`, added if new.
-    fn id(&mut self, offset: u64) -> u32 {
-        match self.values.binary_search(&offset) {
-            Ok(rank) => self.id_at_rank[rank],
-            Err(rank) => {
-                let id = self.rank_of_id.len() as u32;
-                for r in &mut self.rank_of_id {
-                    if *r as usize >= rank {
-                        *r += 1;
-                    }
-                }
-                self.rank_of_id.push(rank as u32);
-                self.values.insert(rank, offset);
-                self.id_at_rank.insert(rank, id);
-                self.max_end.push(0);
-                self.bits.resize(self.values.len().div_ceil(64), 0);
-                id
-            }
-        }
-    }
-
-    /// Marks a neighbour at offset id `id` ending at `end`.
-    #[inline]
-    fn mark(&mut self, id: u32, end: u64) {
-        let r = self.rank_of_id[id as usize] as usize;
-        self.bits[r >> 6] |= 1 << (r & 63);
-        if end > self.max_end[r] {
-            self.max_end[r] = end;
-        }
-    }
-
-    /// Calls `f(start, end)` for each marked offset in increasing order (with the largest end
-    /// marked there), clearing the marks.
-    #[inline]
-    fn drain(&mut self, mut f: impl FnMut(u64, u64)) {
-        for w in 0..self.bits.len() {
-            let mut word = self.bits[w];
-            if word == 0 {
-                continue;
-            }
-            self.bits[w] = 0;
-            while word != 0 {
-                let r = w * 64 + word.trailing_zeros() as usize;
-                f(self.values[r], self.max_end[r]);
-                self.max_end[r] = 0;
-                word &= word - 1;
-            }
-        }
+        let earlier = &self.earlier[self.earlier_start[r]..self.earlier_start[r + 1]];
+        let later = &self.by_first[r + 1..self.later_end[r] as usize];
+        earlier.iter().chain(later).copied()
     }
 }
 
@@ -286,80 +181,16 @@ impl Problem {
 
     /// One greedy pass in the given order.
     pub(crate) fn greedy(&self, order: Order) -> OffsetPlan {
-        let conflicts = Conflicts::of(self);
-        let sequence = self.sequence(order, &conflicts.nonzero);
-        self.greedy_pass(&conflicts, &sequence, &mut self.scratch())
+        let nonzero = self.nonzero();
+        let sequence = self.sequence(order, &nonzero);
+        Greedy::new(self).pass(self, &sequence)
     }
 
-    fn scratch(&self) -> Greedy {
-        Greedy {
-            offsets: vec![0; self.len()],
-            placed: vec![false; self.len()],
-            neighbours: Vec::new(),
-            keys: Vec::new(),
-            placed_at: vec![(0, u32::MAX); self.len()],
-            index: OffsetIndex::default(),
-        }
-    }
-
-    /// Places the allocations of `sequence` one by one, each in the smallest gap (lowest among
-    /// equals) left by the already placed allocations it is live with, or on top of them.
-    fn greedy_pass(&self, conflicts: &Conflicts, sequence: &[u32], g: &mut Greedy) -> OffsetPlan {
-        g.offsets.iter_mut().for_each(|o| *o = 0);
-        g.placed.iter_mut().for_each(|p| *p = false);
-        g.placed_at.iter_mut().for_each(|p| *p = (0, u32::MAX));
-        g.index.clear();
-        let mut arena = 0u64;
-        for &i in sequence {
-            let i = i as usize;
-            let size = self.sizes[i];
-            let mut top = 0u64;
-            let mut best: Option<(u64, u64)> = None;
-            // Gaps between the placed neighbours, visited in offset order.
-            let mut visit = |start: u64, end: u64| {
-                if start >= top + size {
-                    let gap = start - top;
-                    if best.is_none_or(|(g, _)| gap < g) {
-                        best = Some((gap, top));
-                    }
-                }
-                top = top.max(end);
-            };
-            if g.index.bits.len() <= conflicts.degree(i) {
-                let (earlier, later) = conflicts.slices(i);
-                for part in [earlier, later] {
-                    for &j in part {
-                        let (end, id) = g.placed_at[j as usize];
-                        if id != u32::MAX {
-                            g.index.mark(id, end);
-                        }
-                    }
-                }
-                g.index.drain(&mut visit);
-            } else {
-                g.neighbours.clear();
-                for j in conflicts.of_alloc(i) {
-                    let j = j as usize;
-                    if g.placed[j] {
-                        g.neighbours
-                            .push((g.offsets[j], g.offsets[j] + self.sizes[j]));
-                    }
-                }
-                sort_by_start(&mut g.neighbours, &mut g.keys);
-                for &(start, end) in &g.neighbours {
-                    visit(start, end);
-                }
-            }
-            let offset = best.map_or(top, |(_, at)| at);
-            g.offsets[i] = offset;
-            g.placed_at[i] = (offset + size, g.index.id(offset));
-            g.placed[i] = true;
-            arena = arena.max(offset + size);
-        }
-        OffsetPlan {
-            offsets: g.offsets.clone(),
-            arena_size: arena,
-        }
+    /// Indices of the allocations with a nonzero size, ascending.
+    pub(crate) fn nonzero(&self) -> Vec<u32> {
+        (0..self.len() as u32)
+            .filter(|&i| self.sizes[i as usize] > 0)
+            .collect()
     }
 
     /// The nonzero allocations in the order `order` places them.
@@ -439,16 +270,16 @@ impl Problem {
     /// then an exact search (with `exhaustive`, every order and a longer search).
     pub(crate) fn best(&self, exhaustive: bool) -> OffsetPlan {
         let bound = self.lower_bound();
-        let conflicts = Conflicts::of(self);
-        let mut scratch = self.scratch();
-        let pass_work = conflicts.visits();
+        let nonzero = self.nonzero();
+        let mut greedy = Greedy::new(self);
+        let pass_work = greedy.work();
         let mut best: Option<OffsetPlan> = None;
         for (k, order) in Order::ALL.into_iter().enumerate() {
             if k > 0 && !exhaustive && k * pass_work > BEST_GREEDY_WORK {
                 break;
             }
-            let sequence = self.sequence(order, &conflicts.nonzero);
-            let plan = self.greedy_pass(&conflicts, &sequence, &mut scratch);
+            let sequence = self.sequence(order, &nonzero);
+            let plan = greedy.pass(self, &sequence);
             if best.as_ref().is_none_or(|b| plan.arena_size < b.arena_size) {
                 best = Some(plan);
             }
@@ -466,14 +297,14 @@ impl Problem {
         }
         let nodes = if exhaustive {
             Some(EXACT_SEARCH_NODES)
-        } else if conflicts.nonzero.len() <= BEST_SEARCH_LIMIT {
+        } else if nonzero.len() <= BEST_SEARCH_LIMIT {
             Some(BEST_SEARCH_NODES)
         } else {
             None
         };
         if let Some(nodes) = nodes {
             if best.arena_size > bound {
-                best = self.branch_and_bound(&conflicts, best, bound, nodes);
+                best = self.branch_and_bound(&Conflicts::of(self), best, bound, nodes);
             }
         }
         best
@@ -516,38 +347,4 @@ impl SparseMax {
             a
         }
     }
-}
-
-/// Sorts intervals by start. Sorting plain integers is about twice as fast as sorting pairs,
-/// so when the starts fit in 40 bits (after dropping the alignment's zero bits, which `sizes`
-/// share) each key packs a start with the interval's position.
-fn sort_by_start(intervals: &mut [(u64, u64)], keys: &mut Vec<u64>) {
-    const SLOT_BITS: u32 = 24;
-    let n = intervals.len();
-    let shift = intervals
-        .iter()
-        .fold(0u64, |acc, &(s, _)| acc | s)
-        .trailing_zeros()
-        .min(63);
-    let fits = n < (1 << SLOT_BITS)
-        && intervals
-            .iter()
-            .all(|&(s, _)| (s >> shift) < (1u64 << (64 - SLOT_BITS)));
-    if !fits || n < 16 {
-        intervals.sort_unstable();
-        return;
-    }
-    keys.clear();
-    keys.extend(
-        intervals
-            .iter()
-            .enumerate()
-            .map(|(k, &(s, _))| ((s >> shift) << SLOT_BITS) | k as u64),
-    );
-    keys.sort_unstable();
-    let ends: Vec<(u64, u64)> = keys
-        .iter()
-        .map(|&key| intervals[(key & ((1 << SLOT_BITS) - 1)) as usize])
-        .collect();
-    intervals.copy_from_slice(&ends);
 }
