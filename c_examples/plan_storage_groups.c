@@ -66,6 +66,21 @@ int main(void) {
     CHECK(tensoralloc_storage_plan_new(1, NULL, early, NULL, -1, NULL) == NULL, "NULL array");
     tensoralloc_storage_plan_free(p);
     tensoralloc_storage_plan_free(NULL);
+
+    /* The same on device 0: each iteration's buffer comes from the caching device allocator. */
+    tensoralloc_storage_plan *d = tensoralloc_storage_plan_new(5, first, last, output, 0, stream_n(1));
+    if (d) {
+        for (int iter = 0; iter < 2; iter++) {
+            CHECK(tensoralloc_storage_plan_allocate(d) == 0, "device allocate");
+            CHECK(tensoralloc_storage_plan_place(d, 1, 4096, &ptr[1]) == 0, "device place");
+            CHECK(tensoralloc_storage_plan_deallocate(d) == 0, "device deallocate");
+            CHECK(tensoralloc_storage_plan_release_outputs(d) == 0, "device release");
+        }
+        CHECK(ptr[1] != NULL, "device buffer in the second iteration");
+        tensoralloc_storage_plan_free(d);
+    } else {
+        printf("no device: %s\n", tensoralloc_last_error());
+    }
     printf("plan_storage_groups: ok\n");
     return 0;
 }

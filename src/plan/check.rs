@@ -14,24 +14,26 @@ pub fn lower_bound(allocs: &[Allocation], alignment: u64) -> Result<u64> {
 
 impl Problem {
     pub(crate) fn lower_bound(&self) -> u64 {
-        // (time, 0 = starts / 1 = ends, size): at one time step, starts come before ends
-        // because lifetimes are inclusive.
-        let mut events: Vec<(u64, u8, u64)> = Vec::with_capacity(2 * self.len());
+        // Bytes live at step t: those started by t minus those ended before t. The maximum is
+        // reached at some first use.
+        let mut starts: Vec<(u64, u64)> = Vec::with_capacity(self.len());
+        let mut ends: Vec<(u64, u64)> = Vec::with_capacity(self.len());
         for i in 0..self.len() {
             if self.sizes[i] > 0 {
-                events.push((self.first[i], 0, self.sizes[i]));
-                events.push((self.last[i], 1, self.sizes[i]));
+                starts.push((self.first[i], self.sizes[i]));
+                ends.push((self.last[i], self.sizes[i]));
             }
         }
-        events.sort_unstable();
-        let (mut live, mut peak) = (0u64, 0u64);
-        for (_, kind, size) in events {
-            if kind == 0 {
-                live += size;
-                peak = peak.max(live);
-            } else {
-                live -= size;
+        starts.sort_unstable();
+        ends.sort_unstable();
+        let (mut live, mut peak, mut e) = (0u64, 0u64, 0usize);
+        for &(t, size) in &starts {
+            while e < ends.len() && ends[e].0 < t {
+                live -= ends[e].1;
+                e += 1;
             }
+            live += size;
+            peak = peak.max(live);
         }
         peak
     }

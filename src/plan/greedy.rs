@@ -35,13 +35,18 @@ pub(crate) struct Greedy {
 
 impl Greedy {
     pub(crate) fn new(p: &Problem) -> Greedy {
-        let mut by_first = p.nonzero();
-        by_first.sort_unstable_by_key(|&i| (p.first[i as usize], i));
+        let mut keyed: Vec<(u64, u32)> = p
+            .nonzero()
+            .into_iter()
+            .map(|i| (p.first[i as usize], i))
+            .collect();
+        keyed.sort_unstable();
+        let firsts: Vec<u64> = keyed.iter().map(|&(f, _)| f).collect();
+        let by_first: Vec<u32> = keyed.into_iter().map(|(_, i)| i).collect();
         let mut rank = vec![u32::MAX; p.len()];
         for (r, &i) in by_first.iter().enumerate() {
             rank[i as usize] = r as u32;
         }
-        let firsts: Vec<u64> = by_first.iter().map(|&i| p.first[i as usize]).collect();
         let later_end: Vec<u32> = by_first
             .iter()
             .map(|&i| firsts.partition_point(|&f| f <= p.last[i as usize]) as u32)

@@ -195,40 +195,44 @@ impl Problem {
 
     /// The nonzero allocations in the order `order` places them.
     fn sequence(&self, order: Order, nonzero: &[u32]) -> Vec<u32> {
-        let mut seq = nonzero.to_vec();
+        use std::cmp::Reverse;
         let len = |i: usize| self.last[i] - self.first[i];
+        // Keys are computed once and sorted with their index: cheaper than looking them up
+        // in every comparison.
+        fn sorted<K: Ord>(mut keyed: Vec<(K, u32)>) -> Vec<u32> {
+            keyed.sort_unstable();
+            keyed.into_iter().map(|(_, i)| i).collect()
+        }
+        let keyed = |key: &dyn Fn(usize) -> (u128, u64, u64)| -> Vec<u32> {
+            sorted(nonzero.iter().map(|&i| (key(i as usize), i)).collect())
+        };
         match order {
-            Order::Size => seq.sort_unstable_by_key(|&i| {
-                let i = i as usize;
-                (std::cmp::Reverse((self.sizes[i], len(i))), self.first[i], i)
+            Order::Size => keyed(&|i| {
+                let key = (u128::from(self.sizes[i]) << 64) | u128::from(len(i));
+                (!key, self.first[i], 0)
             }),
-            Order::Area => seq.sort_unstable_by_key(|&i| {
-                let i = i as usize;
+            Order::Area => keyed(&|i| {
                 let area = u128::from(self.sizes[i]) * (u128::from(len(i)) + 1);
-                (std::cmp::Reverse((area, self.sizes[i])), self.first[i], i)
+                (!area, !self.sizes[i], self.first[i])
             }),
-            Order::Lifetime => seq.sort_unstable_by_key(|&i| {
-                let i = i as usize;
-                (std::cmp::Reverse((len(i), self.sizes[i])), self.first[i], i)
+            Order::Lifetime => keyed(&|i| {
+                let key = (u128::from(len(i)) << 64) | u128::from(self.sizes[i]);
+                (!key, self.first[i], 0)
             }),
-            Order::Time => seq.sort_unstable_by_key(|&i| {
-                let i = i as usize;
-                (self.first[i], std::cmp::Reverse(self.sizes[i]), i)
-            }),
+            Order::Time => keyed(&|i| (u128::from(self.first[i]), !self.sizes[i], 0)),
             Order::Breadth => {
                 let key = self.breadth_keys(nonzero);
-                seq.sort_unstable_by_key(|&i| {
-                    let (breadth, step) = key[i as usize];
-                    (
-                        std::cmp::Reverse(breadth),
-                        step,
-                        std::cmp::Reverse(self.sizes[i as usize]),
-                        i,
-                    )
-                });
+                sorted(
+                    nonzero
+                        .iter()
+                        .map(|&i| {
+                            let (breadth, step) = key[i as usize];
+                            ((Reverse(breadth), step, Reverse(self.sizes[i as usize])), i)
+                        })
+                        .collect(),
+                )
             }
         }
-        seq
     }
 
     /// For each allocation, the most bytes live at one time step of its lifetime, and the
