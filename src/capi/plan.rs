@@ -72,8 +72,9 @@ fn out_is_set<T>(p: *mut T, what: &str) -> Result<()> {
 /// exact search for small inputs), `"pytorch"` (PyTorch's profiling-allocator plan: time
 /// order, best fit among free gaps), `"greedy-by-size"`, `"greedy-by-breadth"`,
 /// `"greedy-by-area"`, `"greedy-by-lifetime"`, `"greedy-by-time"` (one greedy placement each),
-/// `"best"` (same as the default) or `"exact"` (branch and bound for up to a second: optimal
-/// when it finishes, for inputs of up to 64 nonzero allocations).
+/// `"best"` (same as the default) or `"exact"` (branch and bound for up to about a second:
+/// optimal when it finishes, for inputs of up to 64 nonzero allocations). Plans are
+/// deterministic: the same input gives the same plan on any machine.
 ///
 /// On success writes `offsets[0..n]` (each a multiple of `alignment`) and `*arena_size` (the
 /// largest offset + rounded size) and returns `TENSORALLOC_OK`. Returns

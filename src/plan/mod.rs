@@ -66,8 +66,10 @@ pub struct OffsetPlan {
 /// The offset-planning algorithms.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Algorithm {
-    /// The best of every heuristic below, then an exact search for small inputs: never larger
-    /// than [`Algorithm::Pytorch`] on any input.
+    /// The smallest of the greedy orders below (all of them, stopping at the lower bound;
+    /// fewer on inputs so dense that they would be slow) and, when none reaches the bound,
+    /// [`Algorithm::Pytorch`]; then, for up to 14 nonzero allocations, a short exact search.
+    /// Never larger than `Pytorch` on any input.
     Best,
     /// PyTorch's profiling-allocator plan: allocations and frees in time order, best fit among
     /// free gaps, coalescing on free, growing the arena at its end.
@@ -84,9 +86,9 @@ pub enum Algorithm {
     GreedyByLifetime,
     /// Allocation order (first use), each placed in the smallest gap among the live ones.
     GreedyByTime,
-    /// Branch and bound over all layouts, started from `Best`'s plan, under a work budget
-    /// (about a second):
-    /// optimal when the search finishes, and never worse than `Best`.
+    /// Every greedy order, then branch and bound over all layouts (inputs of up to 64
+    /// nonzero allocations) under a work budget of about a second: optimal when the search
+    /// finishes, never larger than `Best`.
     Exact,
 }
 
