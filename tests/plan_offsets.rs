@@ -39,6 +39,16 @@ proptest! {
         }
     }
 
+    /// Hundreds of allocations: the greedy pass's bitmaps span many words.
+    #[test]
+    fn greedy_plans_of_large_inputs_are_valid(allocs in prop::collection::vec((1u64..100_000, 0u64..400, 0u64..60), 200..400)
+        .prop_map(|v| v.into_iter().map(|(size, first, len)| a(size, first, first + len)).collect::<Vec<_>>())) {
+        for algorithm in [Algorithm::GreedyBySize, Algorithm::GreedyByBreadth, Algorithm::GreedyByTime, Algorithm::Best] {
+            let p = plan_offsets(&allocs, 64, algorithm).unwrap();
+            prop_assert!(validate(&allocs, &p, 64).is_ok(), "{}: {:?}", algorithm.name(), validate(&allocs, &p, 64));
+        }
+    }
+
     #[test]
     fn the_default_plan_is_never_larger_than_pytorch_or_any_greedy_order(allocs in allocations(60)) {
         let best = plan_offsets(&allocs, 64, Algorithm::Best).unwrap().arena_size;
