@@ -291,3 +291,12 @@ fn the_default_plan_is_within_two_percent_of_the_bound_on_model_traces() {
         );
     }
 }
+
+#[test]
+fn thousands_of_allocations_live_together_are_stacked_without_gaps() {
+    let allocs: Vec<Allocation> = (0..3000u64)
+        .map(|i| a(64 * (1 + i % 7), i / 1000, 10))
+        .collect();
+    let p = plan(&allocs, "default");
+    assert_eq!(p.arena_size, allocs.iter().map(|x| x.size).sum::<u64>());
+}

@@ -277,6 +277,16 @@ impl Problem {
         let nonzero = self.nonzero();
         let mut greedy = Greedy::new(self);
         let pass_work = greedy.work();
+        // On very dense inputs a greedy pass costs far more than PyTorch's plan, which may
+        // already be optimal (nothing freed before the peak, say): try it first there.
+        let mut pytorch = None;
+        if pass_work > BEST_GREEDY_WORK {
+            let plan = self.pytorch();
+            if plan.arena_size == bound {
+                return plan;
+            }
+            pytorch = Some(plan);
+        }
         let mut best: Option<OffsetPlan> = None;
         for (k, order) in Order::ALL.into_iter().enumerate() {
             if k > 0 && !exhaustive && k * pass_work > BEST_GREEDY_WORK {
@@ -294,7 +304,7 @@ impl Problem {
         let mut best = best.expect("at least one greedy pass runs");
         // PyTorch's plan can only win when the greedy ones missed the bound.
         if best.arena_size > bound {
-            let pytorch = self.pytorch();
+            let pytorch = pytorch.unwrap_or_else(|| self.pytorch());
             if pytorch.arena_size < best.arena_size {
                 best = pytorch;
             }
