@@ -30,68 +30,6 @@ typedef struct CUstream_st CUstream_st;
 #define TENSORALLOC_STAT_LARGE_POOL 2
 
 /**
- * Number of size intervals of `roundup_power2_divisions`: below 2 MiB, then one per power of
- * two from 2 MiB to 32 GiB and above.
- */
-#define ROUNDUP_INTERVALS 16
-
-/**
- * Every block is a multiple of this many bytes.
- */
-#define MIN_BLOCK_SIZE 512
-
-/**
- * Requests up to this size come from the small pool.
- */
-#define SMALL_SIZE (1 << 20)
-
-/**
- * Segment size of the small pool.
- */
-#define SMALL_BUFFER (2 << 20)
-
-/**
- * Segment size of the large pool for requests under [`MIN_LARGE_ALLOC`].
- */
-#define LARGE_BUFFER (20 << 20)
-
-/**
- * Large requests from this size on get a segment of their own size (rounded to [`ROUND_LARGE`]).
- */
-#define MIN_LARGE_ALLOC (10 << 20)
-
-/**
- * Rounding of segments for large requests.
- */
-#define ROUND_LARGE (2 << 20)
-
-/**
- * Larger requests are rejected as absurd: no device has a petabyte, and sizes near
- * `SIZE_MAX` are usually negative numbers cast to `size_t`.
- */
-#define MAX_REQUEST (1 << 50)
-
-/**
- * Number of [`StatKind`]s.
- */
-#define KINDS 9
-
-/**
- * Index of the oversize-allocation counter among tracked statistics.
- */
-#define OVERSIZE_ALLOCATIONS (KINDS * 3)
-
-/**
- * Index of the oversize-segment counter among tracked statistics.
- */
-#define OVERSIZE_SEGMENTS ((KINDS * 3) + 1)
-
-/**
- * Number of tracked statistics (each with current, peak, allocated, freed).
- */
-#define TRACKED ((KINDS * 3) + 2)
-
-/**
  * A profiling allocator (opaque). Made by `tensoralloc_profiling_new`, released by
  * `tensoralloc_profiling_free`. Safe to use from several threads (calls are serialized), but
  * an iteration is one sequence of calls: record, validate and serve from one thread.
@@ -714,15 +652,15 @@ tensoralloc_status tensoralloc_storage_plan_get_stats(struct tensoralloc_storage
  * Holds `stream` on the simulated device: events recorded on it from now on stay pending (as
  * if a long kernel were running) until `tensoralloc_sim_release_stream`. Lets tests keep
  * deferred frees (`tensoralloc_record_stream`) waiting.
- * Returns `TENSORALLOC_OK`, or an error status with a last error when the simulated device is
- * not in use.
+ * Returns `TENSORALLOC_OK`, or an error status with a last error when no simulated device is
+ * in use (a real NVIDIA driver).
  */
 tensoralloc_status tensoralloc_sim_hold_stream(CUstream_st *stream);
 
 /**
  * Releases a stream held by `tensoralloc_sim_hold_stream`: every event recorded on it
- * completes. Returns `TENSORALLOC_OK`, or an error status with a last error when the
- * simulated device is not in use.
+ * completes. Returns `TENSORALLOC_OK`, or an error status with a last error when no
+ * simulated device is in use.
  */
 tensoralloc_status tensoralloc_sim_release_stream(CUstream_st *stream);
 
@@ -730,7 +668,7 @@ tensoralloc_status tensoralloc_sim_release_stream(CUstream_st *stream);
  * Bytes of simulated device memory that the driver has handed out on `device` (segments
  * tensoralloc holds), written to `*out` (owned by the caller). Lets tests prove that nothing
  * leaks. Returns `TENSORALLOC_OK`, or an error status with a last error when `out` is NULL,
- * the device does not exist, or the simulated device is not in use.
+ * the device does not exist, or no simulated device is in use.
  */
 tensoralloc_status tensoralloc_sim_device_used(int32_t device, uint64_t *out);
 

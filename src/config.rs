@@ -28,7 +28,7 @@ pub struct Config {
 
 /// Number of size intervals of `roundup_power2_divisions`: below 2 MiB, then one per power of
 /// two from 2 MiB to 32 GiB and above.
-pub const ROUNDUP_INTERVALS: usize = 16;
+pub(crate) const ROUNDUP_INTERVALS: usize = 16;
 
 impl Default for Config {
     fn default() -> Self {

@@ -7,13 +7,14 @@ use once_cell::sync::OnceCell;
 
 use crate::config::Config;
 use crate::device::DeviceAllocator;
-use crate::driver::{self, sim::SimDriver, Backend, Driver};
+use crate::driver::{cuda::CudaDriver, sim::SimDriver, Backend, Driver};
 use crate::error::{Error, Result};
 
 /// Process-wide state.
 pub struct Runtime {
     driver: Arc<dyn Driver>,
     sim: Option<Arc<SimDriver>>,
+    cuda: Option<Arc<CudaDriver>>,
     config: Config,
     devices: Box<[OnceCell<DeviceAllocator>]>,
 }
@@ -37,17 +38,21 @@ impl Runtime {
 
     fn from_env() -> Result<Runtime> {
         let config = Config::from_env()?;
-        let (driver, sim): (Arc<dyn Driver>, _) = match Backend::from_env()? {
+        let (driver, sim, cuda): (Arc<dyn Driver>, _, _) = match Backend::from_env()? {
             Backend::Sim => {
                 let sim = Arc::new(SimDriver::from_env()?);
-                (sim.clone(), Some(sim))
+                (sim.clone(), Some(sim), None)
             }
-            Backend::Cuda => (driver::from_env()?, None),
+            Backend::Cuda => {
+                let cuda = Arc::new(CudaDriver::load()?);
+                (cuda.clone(), None, Some(cuda))
+            }
         };
         let count = driver.device_count()?;
         Ok(Runtime {
             driver,
             sim,
+            cuda,
             config,
             devices: (0..count).map(|_| OnceCell::new()).collect(),
         })
@@ -61,6 +66,11 @@ impl Runtime {
     /// The simulated driver, when `TENSORALLOC_DRIVER=sim` selected it.
     pub fn sim(&self) -> Option<&Arc<SimDriver>> {
         self.sim.as_ref()
+    }
+
+    /// The NVIDIA driver backend, when `TENSORALLOC_DRIVER=cuda` (the default) selected it.
+    pub fn cuda(&self) -> Option<&Arc<CudaDriver>> {
+        self.cuda.as_ref()
     }
 
     /// The parsed configuration.

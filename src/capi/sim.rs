@@ -1,50 +1,64 @@
-//! C controls of the simulated device (`TENSORALLOC_DRIVER=sim`), for tests and demos.
+//! C controls of the simulated device, for tests and demos. They act on the simulated driver
+//! (`TENSORALLOC_DRIVER=sim`), or, under the NVIDIA backend, on the test suite's fake
+//! `libcuda.so.1`; with a real NVIDIA driver they fail with a message that says so.
 
 use super::{fail, ffi_boundary, stream_id, tensoralloc_status, CUstream_st, TENSORALLOC_OK};
-use crate::driver::sim;
-use crate::error::Error;
+use crate::driver::{sim, Stream};
+use crate::error::{Error, Result};
 use crate::runtime::Runtime;
 
-fn require_sim() -> crate::error::Result<&'static Runtime> {
+/// The simulated device behind the runtime: the sim backend, or the fake driver under cudarc.
+enum Simulated {
+    Sim,
+    Fake(&'static crate::driver::cuda::CudaDriver),
+}
+
+fn simulated() -> Result<(&'static Runtime, Simulated)> {
     let rt = Runtime::get()?;
-    if rt.sim().is_none() {
-        return Err(Error::InvalidArgument(format!(
-            "the simulated device is not in use (the {} driver is): set TENSORALLOC_DRIVER=sim",
-            rt.driver().name()
-        )));
+    if rt.sim().is_some() {
+        return Ok((rt, Simulated::Sim));
     }
-    Ok(rt)
+    match rt.cuda() {
+        Some(cuda) => Ok((rt, Simulated::Fake(cuda))),
+        None => Err(Error::InvalidArgument(
+            "the simulated device is not in use: set TENSORALLOC_DRIVER=sim".into(),
+        )),
+    }
+}
+
+fn hold(stream: Stream, held: bool) -> Result<()> {
+    match simulated()?.1 {
+        Simulated::Sim if held => sim::hold_stream(stream),
+        Simulated::Sim => sim::release_stream(stream),
+        Simulated::Fake(cuda) if held => cuda.fake_hold_stream(stream)?,
+        Simulated::Fake(cuda) => cuda.fake_release_stream(stream)?,
+    }
+    Ok(())
 }
 
 /// Holds `stream` on the simulated device: events recorded on it from now on stay pending (as
 /// if a long kernel were running) until `tensoralloc_sim_release_stream`. Lets tests keep
 /// deferred frees (`tensoralloc_record_stream`) waiting.
-/// Returns `TENSORALLOC_OK`, or an error status with a last error when the simulated device is
-/// not in use.
+/// Returns `TENSORALLOC_OK`, or an error status with a last error when no simulated device is
+/// in use (a real NVIDIA driver).
 #[no_mangle]
 pub extern "C" fn tensoralloc_sim_hold_stream(stream: *mut CUstream_st) -> tensoralloc_status {
     ffi_boundary! {
-        match require_sim() {
-            Ok(_) => {
-                sim::hold_stream(stream_id(stream));
-                TENSORALLOC_OK
-            }
+        match hold(stream_id(stream), true) {
+            Ok(()) => TENSORALLOC_OK,
             Err(e) => fail(&e),
         }
     }
 }
 
 /// Releases a stream held by `tensoralloc_sim_hold_stream`: every event recorded on it
-/// completes. Returns `TENSORALLOC_OK`, or an error status with a last error when the
-/// simulated device is not in use.
+/// completes. Returns `TENSORALLOC_OK`, or an error status with a last error when no
+/// simulated device is in use.
 #[no_mangle]
 pub extern "C" fn tensoralloc_sim_release_stream(stream: *mut CUstream_st) -> tensoralloc_status {
     ffi_boundary! {
-        match require_sim() {
-            Ok(_) => {
-                sim::release_stream(stream_id(stream));
-                TENSORALLOC_OK
-            }
+        match hold(stream_id(stream), false) {
+            Ok(()) => TENSORALLOC_OK,
             Err(e) => fail(&e),
         }
     }
@@ -53,16 +67,22 @@ pub extern "C" fn tensoralloc_sim_release_stream(stream: *mut CUstream_st) -> te
 /// Bytes of simulated device memory that the driver has handed out on `device` (segments
 /// tensoralloc holds), written to `*out` (owned by the caller). Lets tests prove that nothing
 /// leaks. Returns `TENSORALLOC_OK`, or an error status with a last error when `out` is NULL,
-/// the device does not exist, or the simulated device is not in use.
+/// the device does not exist, or no simulated device is in use.
 #[no_mangle]
 pub extern "C" fn tensoralloc_sim_device_used(device: i32, out: *mut u64) -> tensoralloc_status {
     ffi_boundary! {
         if out.is_null() {
             return fail(&Error::InvalidArgument("tensoralloc_sim_device_used: out is NULL".into()));
         }
-        match require_sim().and_then(|rt| rt.device_from_c(device).map(|_| rt)) {
-            Ok(rt) => {
-                let used = rt.sim().map_or(0, |s| s.used(device as usize));
+        let used = simulated().and_then(|(rt, simulated)| {
+            rt.device_from_c(device)?;
+            match simulated {
+                Simulated::Sim => Ok(rt.sim().map_or(0, |s| s.used(device as usize))),
+                Simulated::Fake(cuda) => cuda.fake_device_used(device as usize),
+            }
+        });
+        match used {
+            Ok(used) => {
                 // SAFETY: `out` is non-NULL and the caller promises it points to a writable u64.
                 unsafe { out.write(used) };
                 TENSORALLOC_OK

@@ -1,20 +1,20 @@
 //! Size rules of the caching device allocator (PyTorch's CUDACachingAllocator rules).
 
 /// Every block is a multiple of this many bytes.
-pub const MIN_BLOCK_SIZE: usize = 512;
+pub(crate) const MIN_BLOCK_SIZE: usize = 512;
 /// Requests up to this size come from the small pool.
-pub const SMALL_SIZE: usize = 1 << 20;
+pub(crate) const SMALL_SIZE: usize = 1 << 20;
 /// Segment size of the small pool.
-pub const SMALL_BUFFER: usize = 2 << 20;
+pub(crate) const SMALL_BUFFER: usize = 2 << 20;
 /// Segment size of the large pool for requests under [`MIN_LARGE_ALLOC`].
-pub const LARGE_BUFFER: usize = 20 << 20;
+pub(crate) const LARGE_BUFFER: usize = 20 << 20;
 /// Large requests from this size on get a segment of their own size (rounded to [`ROUND_LARGE`]).
-pub const MIN_LARGE_ALLOC: usize = 10 << 20;
+pub(crate) const MIN_LARGE_ALLOC: usize = 10 << 20;
 /// Rounding of segments for large requests.
-pub const ROUND_LARGE: usize = 2 << 20;
+pub(crate) const ROUND_LARGE: usize = 2 << 20;
 /// Larger requests are rejected as absurd: no device has a petabyte, and sizes near
 /// `SIZE_MAX` are usually negative numbers cast to `size_t`.
-pub const MAX_REQUEST: usize = 1 << 50;
+pub(crate) const MAX_REQUEST: usize = 1 << 50;
 
 /// Which pool a block belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

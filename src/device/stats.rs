@@ -38,13 +38,13 @@ pub enum StatKind {
 }
 
 /// Number of [`StatKind`]s.
-pub const KINDS: usize = 9;
+pub(crate) const KINDS: usize = 9;
 /// Index of the oversize-allocation counter among tracked statistics.
-pub const OVERSIZE_ALLOCATIONS: usize = KINDS * 3;
+pub(crate) const OVERSIZE_ALLOCATIONS: usize = KINDS * 3;
 /// Index of the oversize-segment counter among tracked statistics.
-pub const OVERSIZE_SEGMENTS: usize = KINDS * 3 + 1;
+pub(crate) const OVERSIZE_SEGMENTS: usize = KINDS * 3 + 1;
 /// Number of tracked statistics (each with current, peak, allocated, freed).
-pub const TRACKED: usize = KINDS * 3 + 2;
+pub(crate) const TRACKED: usize = KINDS * 3 + 2;
 
 /// Index of a statistic: the aggregate column of a kind.
 pub fn aggregate(kind: StatKind) -> usize {

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Runs tensoralloc's checks against the real NVIDIA driver, on a machine with a GPU:
+#   1. the C smoke suite (every c_examples/*.c), compiled against the built library and run
+#      with the default driver (TENSORALLOC_DRIVER unset = cuda);
+#   2. the Rust GPU tests (`#[ignore]`d elsewhere), with --ignored;
+#   3. the PyTorch training check (tests/gpu/pytorch_train.py), when torch with CUDA is installed.
+# Usage: tests/gpu/run-c-suite.sh   (from anywhere; builds in the repository's target/)
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+unset TENSORALLOC_DRIVER
+if ! ldconfig -p 2>/dev/null | grep -q 'libcuda\.so\.1' && [ -z "${LD_LIBRARY_PATH:-}" ]; then
+  echo "warning: no libcuda.so.1 in the loader cache; the checks will fail if the driver cannot be found" >&2
+fi
+cargo build --release
+lib=$PWD/target/release
+out=$(mktemp -d)
+trap 'rm -rf "$out"' EXIT
+cc=${CC:-cc}
+failed=0
+for src in c_examples/*.c; do
+  name=$(basename "$src" .c)
+  "$cc" -std=c99 -Wall -Wextra -Werror -O1 -Iinclude "$src" -o "$out/$name" \
+    -L"$lib" -ltensoralloc -lpthread -Wl,-rpath,"$lib"
+  echo "== $name"
+  if "$out/$name"; then echo "-- $name: ok"; else echo "-- $name: FAILED"; failed=1; fi
+done
+echo "== Rust GPU tests"
+cargo test --release --test cuda_gpu -- --ignored || failed=1
+if python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+  echo "== PyTorch training with tensoralloc"
+  python3 tests/gpu/pytorch_train.py "$lib/libtensoralloc.so" || failed=1
+else
+  echo "== PyTorch with CUDA not installed: skipping tests/gpu/pytorch_train.py"
+fi
+if [ "$failed" -ne 0 ]; then echo "GPU checks FAILED"; exit 1; fi
+echo "GPU checks passed"
