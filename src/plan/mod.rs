@@ -176,6 +176,14 @@ pub(crate) struct Problem {
 impl Problem {
     pub(crate) fn new(allocs: &[Allocation], alignment: u64) -> Result<Problem> {
         check_alignment(alignment)?;
+        // Planners index allocations with 32-bit integers.
+        if allocs.len() >= u32::MAX as usize {
+            return Err(Error::InvalidArgument(format!(
+                "{} allocations are more than a plan can hold ({} at most)",
+                allocs.len(),
+                u32::MAX - 1
+            )));
+        }
         let mut total: u128 = 0;
         let mut sizes = Vec::with_capacity(allocs.len());
         for (i, a) in allocs.iter().enumerate() {
