@@ -30,6 +30,34 @@ typedef struct CUstream_st CUstream_st;
 #define TENSORALLOC_STAT_LARGE_POOL 2
 
 /**
+ * A profiling allocator (opaque). Made by `tensoralloc_profiling_new`, released by
+ * `tensoralloc_profiling_free`. Safe to use from several threads (calls are serialized), but
+ * an iteration is one sequence of calls: record, validate and serve from one thread.
+ *
+ * The cycle: record an iteration (`begin_recording`, the iteration's
+ * `tensoralloc_profiling_malloc` / `_release` calls, `end_recording`);
+ * `tensoralloc_profiling_plan`; then optionally
+ * check a later iteration (`begin_validating` ... `end_validating`, which says whether it
+ * matched); then serve iterations from one blob (`begin_serving` ... `end_serving`). Plans
+ * save to and load from JSON.
+ */
+typedef struct tensoralloc_profiling tensoralloc_profiling;
+
+/**
+ * A storage-group planner (opaque), Static Runtime's memory planner: values that are never
+ * live together share a storage group, and each iteration gets one buffer with every group at
+ * its offset, sized by the largest value the group has held. Made by
+ * `tensoralloc_storage_plan_new`, released by `tensoralloc_storage_plan_free`; calls are
+ * serialized.
+ *
+ * Each iteration: `tensoralloc_storage_plan_allocate`; for each value as it is made,
+ * `tensoralloc_storage_plan_place` (which says where it lives, or that the client allocates it
+ * itself this time); `tensoralloc_storage_plan_deallocate` at the end; and, once the client is
+ * done with the outputs, `tensoralloc_storage_plan_release_outputs`.
+ */
+typedef struct tensoralloc_storage_plan tensoralloc_storage_plan;
+
+/**
  * Status returned by tensoralloc functions that do not return a pointer: 0 on success, and
  * otherwise one of the `TENSORALLOC_ERR_*` values; `tensoralloc_last_error()` says why.
  */
@@ -206,6 +234,101 @@ typedef struct tensoralloc_host_stats {
    */
   uint64_t unpin_time_max_ns;
 } tensoralloc_host_stats;
+
+/**
+ * Counters of a profiling allocator, since it was made.
+ */
+typedef struct tensoralloc_profiling_stats {
+  /**
+   * Allocations in the current plan (0 without a plan).
+   */
+  uint64_t plan_allocations;
+  /**
+   * Of those, how many are served from the blob (the others were not freed during the
+   * recording, or were zero bytes, and come from the ordinary allocator).
+   */
+  uint64_t plan_planned;
+  /**
+   * Bytes of the blob the current plan needs.
+   */
+  uint64_t plan_blob_bytes;
+  /**
+   * Bytes of the blob held now.
+   */
+  uint64_t blob_bytes;
+  /**
+   * Iterations recorded.
+   */
+  uint64_t recordings;
+  /**
+   * Iterations validated.
+   */
+  uint64_t validations;
+  /**
+   * Iterations validated that matched the plan.
+   */
+  uint64_t validations_matched;
+  /**
+   * Iterations served.
+   */
+  uint64_t iterations_served;
+  /**
+   * Allocations served from the blob.
+   */
+  uint64_t served_from_blob;
+  /**
+   * Allocations that the plan leaves to the ordinary allocator, served while serving.
+   */
+  uint64_t served_unplanned;
+  /**
+   * Allocations that strayed from the plan while serving (another size, more allocations
+   * than recorded, or planned bytes still in use) and came from the ordinary allocator.
+   */
+  uint64_t mismatches;
+  /**
+   * Frees that came at another point of an iteration than planned (harmless: the blob
+   * bytes are reused only once free).
+   */
+  uint64_t lifetime_mismatches;
+  /**
+   * Pointers handed out and not yet released.
+   */
+  uint64_t live_allocations;
+} tensoralloc_profiling_stats;
+
+/**
+ * Counters of a storage-group planner (Static Runtime's names).
+ */
+typedef struct tensoralloc_storage_plan_stats {
+  /**
+   * Bytes of the intermediate buffer: the sum of the groups' sizes.
+   */
+  uint64_t managed_bytes;
+  /**
+   * Intermediate (non-output) values managed.
+   */
+  uint64_t managed_values;
+  /**
+   * Values sharing a group with an earlier value, in the last buffer laid out.
+   */
+  uint64_t reused_values;
+  /**
+   * Bytes of the output buffer.
+   */
+  uint64_t output_buffer_bytes;
+  /**
+   * Storage groups.
+   */
+  uint64_t groups;
+  /**
+   * Managed outputs.
+   */
+  uint64_t outputs;
+  /**
+   * Iterations ended.
+   */
+  uint64_t iterations;
+} tensoralloc_storage_plan_stats;
 
 /**
  * The call succeeded.
@@ -410,6 +533,260 @@ void tensoralloc_host_reset_peak_stats(void);
  * the pinning and unpinning times. On failure (no usable driver) the last error says why.
  */
 void tensoralloc_host_reset_accumulated_stats(void);
+
+/**
+ * Lays out `n` allocations in one arena. Allocation `i` has `sizes[i]` bytes and is live from
+ * time step `first_use[i]` to `last_use[i]` inclusive; allocations `i` and `j` are live
+ * together when `first_use[i] <= last_use[j] && first_use[j] <= last_use[i]`, and then never
+ * share a byte. Sizes are rounded up to `alignment`; zero-byte allocations get offset 0.
+ *
+ * `alignment` is a nonzero power of two (64 suits CPU and GPU tensors). `algorithm` is NULL
+ * or `"default"` (the best plan tensoralloc finds: never larger than `"pytorch"`'s, with an
+ * exact search for small inputs), `"pytorch"` (PyTorch's profiling-allocator plan: time
+ * order, best fit among free gaps), `"greedy-by-size"`, `"greedy-by-breadth"`,
+ * `"greedy-by-area"`, `"greedy-by-lifetime"`, `"greedy-by-time"` (one greedy placement each),
+ * `"best"` (same as the default) or `"exact"` (branch and bound for up to about a second:
+ * optimal when it finishes, for inputs of up to 64 nonzero allocations). Plans are
+ * deterministic: the same input gives the same plan on any machine.
+ *
+ * On success writes `offsets[0..n]` (each a multiple of `alignment`) and `*arena_size` (the
+ * largest offset + rounded size) and returns `TENSORALLOC_OK`. Returns
+ * `TENSORALLOC_ERR_INVALID_ARGUMENT` with a last error, writing nothing, for an unknown
+ * algorithm, a `first_use[i] > last_use[i]`, a zero or non-power-of-two alignment, NULL arrays
+ * with `n > 0`, a NULL `arena_size`, or sizes adding up to more than `UINT64_MAX`. The arrays
+ * stay the caller's.
+ */
+tensoralloc_status tensoralloc_plan_offsets(size_t n,
+                                            const uint64_t *sizes,
+                                            const uint64_t *first_use,
+                                            const uint64_t *last_use,
+                                            uint64_t alignment,
+                                            const char *algorithm,
+                                            uint64_t *offsets,
+                                            uint64_t *arena_size);
+
+/**
+ * The smallest arena any layout of the `n` allocations can have (the most bytes, sizes
+ * rounded up to `alignment`, live at one time step), written to `*bound`. The arguments mean
+ * what they mean for `tensoralloc_plan_offsets`. Returns `TENSORALLOC_OK`, or
+ * `TENSORALLOC_ERR_INVALID_ARGUMENT` with a last error on the inputs that function rejects or
+ * a NULL `bound`.
+ */
+tensoralloc_status tensoralloc_plan_lower_bound(size_t n,
+                                                const uint64_t *sizes,
+                                                const uint64_t *first_use,
+                                                const uint64_t *last_use,
+                                                uint64_t alignment,
+                                                uint64_t *bound);
+
+/**
+ * Checks a layout: returns `TENSORALLOC_OK` when every `offsets[i]` is a multiple of
+ * `alignment`, every allocation (size rounded up) fits in `arena_size` bytes, and no two
+ * allocations live together share a byte. Otherwise returns
+ * `TENSORALLOC_ERR_INVALID_ARGUMENT`, and the last error names the first fault (for example
+ * the two overlapping allocations). The other arguments are as for `tensoralloc_plan_offsets`.
+ */
+tensoralloc_status tensoralloc_plan_validate(size_t n,
+                                             const uint64_t *sizes,
+                                             const uint64_t *first_use,
+                                             const uint64_t *last_use,
+                                             uint64_t alignment,
+                                             const uint64_t *offsets,
+                                             uint64_t arena_size);
+
+/**
+ * Makes a profiling allocator. `device < 0`: host memory (`posix_memalign`); otherwise the
+ * blob and the ordinary allocations come from tensoralloc's caching allocator of device
+ * `device`, on `stream` (NULL: the legacy default stream). Offsets in plans it makes are
+ * multiples of `alignment` (a nonzero power of two; 64 suits most uses; device memory is
+ * aligned to 512 bytes at most).
+ *
+ * Returns the handle, owned by the caller until `tensoralloc_profiling_free`; NULL with a last
+ * error for a bad alignment, a device that does not exist, or no usable driver.
+ */
+struct tensoralloc_profiling *tensoralloc_profiling_new(int device,
+                                                        CUstream_st *stream,
+                                                        uint64_t alignment);
+
+/**
+ * Releases a profiling allocator, its blob and every allocation it handed out that is still
+ * live (those pointers become invalid). NULL does nothing.
+ */
+void tensoralloc_profiling_free(struct tensoralloc_profiling *h);
+
+/**
+ * Starts recording an iteration (replacing an earlier recording). Returns `TENSORALLOC_OK`,
+ * or `TENSORALLOC_ERR_INVALID_ARGUMENT` with a last error for a NULL handle or while another
+ * phase (recording, validating, serving) is under way.
+ */
+tensoralloc_status tensoralloc_profiling_begin_recording(struct tensoralloc_profiling *h);
+
+/**
+ * Ends the recording. Errors as for `tensoralloc_profiling_begin_recording` (when not
+ * recording).
+ */
+tensoralloc_status tensoralloc_profiling_end_recording(struct tensoralloc_profiling *h);
+
+/**
+ * Plans the last recording with `algorithm` (NULL: the default; the names of
+ * `tensoralloc_plan_offsets`), replacing the current plan. Returns `TENSORALLOC_OK`, or
+ * `TENSORALLOC_ERR_INVALID_ARGUMENT` with a last error for a NULL handle, nothing recorded,
+ * an unknown algorithm, or a phase under way.
+ */
+tensoralloc_status tensoralloc_profiling_plan(struct tensoralloc_profiling *h,
+                                              const char *algorithm);
+
+/**
+ * Starts comparing an iteration with the plan; its allocations come from the ordinary
+ * allocator. Fails (`TENSORALLOC_ERR_INVALID_ARGUMENT`) without a plan or while a phase is
+ * under way.
+ */
+tensoralloc_status tensoralloc_profiling_begin_validating(struct tensoralloc_profiling *h);
+
+/**
+ * Ends the comparison and writes to `*matched` whether the iteration made exactly the planned
+ * allocations (same count and sizes) and freed each planned one at its planned point.
+ * Returns `TENSORALLOC_OK`, or `TENSORALLOC_ERR_INVALID_ARGUMENT` when not validating, or for
+ * a NULL handle or `matched`.
+ */
+tensoralloc_status tensoralloc_profiling_end_validating(struct tensoralloc_profiling *h,
+                                                        bool *matched);
+
+/**
+ * Starts serving an iteration from the blob, first allocating it (or growing it to the plan's
+ * size). Returns `TENSORALLOC_OK`; `TENSORALLOC_ERR_INVALID_ARGUMENT` without a plan, while a
+ * phase is under way, or when the blob must grow while allocations from it are live;
+ * `TENSORALLOC_ERR_OUT_OF_MEMORY` when the blob cannot be allocated.
+ */
+tensoralloc_status tensoralloc_profiling_begin_serving(struct tensoralloc_profiling *h);
+
+/**
+ * Ends serving; allocations still live stay valid until released. Errors as
+ * `tensoralloc_profiling_begin_recording` (when not serving).
+ */
+tensoralloc_status tensoralloc_profiling_end_serving(struct tensoralloc_profiling *h);
+
+/**
+ * Allocates `size` bytes: while serving, from the blob at the planned offset when the request
+ * matches the plan, otherwise (and in every other phase) from the ordinary allocator. Every
+ * call counts as one allocation of the iteration, even of 0 bytes.
+ *
+ * Returns the address, owned by the caller until `tensoralloc_profiling_release`; NULL with an
+ * empty last error for 0 bytes; NULL with a last error for a NULL handle or out of memory.
+ */
+void *tensoralloc_profiling_malloc(struct tensoralloc_profiling *h, size_t size);
+
+/**
+ * Releases `ptr` (from `tensoralloc_profiling_malloc` of this handle). NULL does nothing.
+ * Returns `TENSORALLOC_OK`; `TENSORALLOC_ERR_UNKNOWN_POINTER` with a last error (changing
+ * nothing) for a pointer this allocator did not hand out or that was already released;
+ * `TENSORALLOC_ERR_INVALID_ARGUMENT` for a NULL handle.
+ */
+tensoralloc_status tensoralloc_profiling_release(struct tensoralloc_profiling *h, void *ptr);
+
+/**
+ * Writes the counters to `*out`. Returns `TENSORALLOC_OK`, or
+ * `TENSORALLOC_ERR_INVALID_ARGUMENT` for a NULL handle or `out`.
+ */
+tensoralloc_status tensoralloc_profiling_get_stats(struct tensoralloc_profiling *h,
+                                                   struct tensoralloc_profiling_stats *out);
+
+/**
+ * Writes the current plan as JSON (NUL-terminated) into `buf`, which holds `capacity` bytes,
+ * and its length without the NUL to `*length`. Call with `buf` NULL (and any capacity) to
+ * learn the length first. Returns `TENSORALLOC_OK`; `TENSORALLOC_ERR_INVALID_ARGUMENT` with a
+ * last error for a NULL handle or `length`, no plan, or a `buf` too small for length + 1
+ * bytes (nothing is written to `buf` then, but `*length` is set).
+ */
+tensoralloc_status tensoralloc_profiling_save_json(struct tensoralloc_profiling *h,
+                                                   char *buf,
+                                                   size_t capacity,
+                                                   size_t *length);
+
+/**
+ * Replaces the current plan with one read from `json` (a NUL-terminated string from
+ * `tensoralloc_profiling_save_json`, possibly of another process). The plan is checked first:
+ * a plan whose allocations would overlap is refused. Returns `TENSORALLOC_OK`, or
+ * `TENSORALLOC_ERR_INVALID_ARGUMENT` with a last error for a NULL handle or text, text that is
+ * not a valid plan, or a phase under way.
+ */
+tensoralloc_status tensoralloc_profiling_load_json(struct tensoralloc_profiling *h,
+                                                   const char *json);
+
+/**
+ * Makes a storage-group planner for `n` values: value `i` is used by time steps (nodes)
+ * `first_use[i]` to `last_use[i]` inclusive, and is a managed output when `is_output` is
+ * non-NULL and `is_output[i]` is true. Buffers come from host memory when `device < 0`, else
+ * from tensoralloc's caching allocator of that device on `stream`.
+ *
+ * Returns the handle, owned by the caller until `tensoralloc_storage_plan_free`; NULL with a
+ * last error for NULL `first_use`/`last_use` with `n > 0`, a `first_use[i] > last_use[i]`, a
+ * device that does not exist, or no usable driver.
+ */
+struct tensoralloc_storage_plan *tensoralloc_storage_plan_new(size_t n,
+                                                              const uint64_t *first_use,
+                                                              const uint64_t *last_use,
+                                                              const bool *is_output,
+                                                              int device,
+                                                              CUstream_st *stream);
+
+/**
+ * Releases a storage-group planner and its buffers (pointers into them become invalid).
+ * NULL does nothing.
+ */
+void tensoralloc_storage_plan_free(struct tensoralloc_storage_plan *h);
+
+/**
+ * Starts an iteration: allocates the intermediate buffer (once values have reported sizes)
+ * and the output buffer. Returns `TENSORALLOC_OK`; `TENSORALLOC_ERR_INVALID_ARGUMENT` with a
+ * last error for a NULL handle, an iteration already running, or outputs of the previous
+ * iteration not yet released; `TENSORALLOC_ERR_OUT_OF_MEMORY` when a buffer cannot be had.
+ */
+tensoralloc_status tensoralloc_storage_plan_allocate(struct tensoralloc_storage_plan *h);
+
+/**
+ * Reports that value `value` needs `nbytes` bytes in this iteration and writes where it lives
+ * to `*ptr`: inside this iteration's buffer, or NULL when the buffer has no room for it yet
+ * (the first iteration, or a value larger than before), in which case the client allocates
+ * it itself and the next iteration makes room. Returns `TENSORALLOC_OK`, or
+ * `TENSORALLOC_ERR_INVALID_ARGUMENT` with a last error for a NULL handle or `ptr`, an unknown
+ * value, or no iteration running.
+ */
+tensoralloc_status tensoralloc_storage_plan_place(struct tensoralloc_storage_plan *h,
+                                                  size_t value,
+                                                  size_t nbytes,
+                                                  void **ptr);
+
+/**
+ * Ends an iteration: every group grows to the largest size its values reported, and the
+ * intermediate buffer is freed (pointers into it become invalid). Returns `TENSORALLOC_OK`,
+ * or `TENSORALLOC_ERR_INVALID_ARGUMENT` for a NULL handle or no iteration running.
+ */
+tensoralloc_status tensoralloc_storage_plan_deallocate(struct tensoralloc_storage_plan *h);
+
+/**
+ * Releases the managed outputs of the last iteration: their slots grow to the sizes reported
+ * and the output buffer is freed (pointers into it become invalid). Returns
+ * `TENSORALLOC_OK`, or `TENSORALLOC_ERR_INVALID_ARGUMENT` for a NULL handle or while an
+ * iteration runs.
+ */
+tensoralloc_status tensoralloc_storage_plan_release_outputs(struct tensoralloc_storage_plan *h);
+
+/**
+ * Writes the storage group of value `value` to `*group` (`SIZE_MAX` for a managed output).
+ * Returns `TENSORALLOC_OK`, or `TENSORALLOC_ERR_INVALID_ARGUMENT` for a NULL handle or
+ * `group`, or an unknown value.
+ */
+tensoralloc_status tensoralloc_storage_plan_group_of(struct tensoralloc_storage_plan *h,
+                                                     size_t value,
+                                                     size_t *group);
+
+/**
+ * Writes the counters to `*out`. Returns `TENSORALLOC_OK`, or
+ * `TENSORALLOC_ERR_INVALID_ARGUMENT` for a NULL handle or `out`.
+ */
+tensoralloc_status tensoralloc_storage_plan_get_stats(struct tensoralloc_storage_plan *h,
+                                                      struct tensoralloc_storage_plan_stats *out);
 
 /**
  * Holds `stream` on the simulated device: events recorded on it from now on stay pending (as

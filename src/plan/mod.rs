@@ -1,1 +1,235 @@
-//! Memory planners for static workloads.
+//! Memory planners for static workloads: when the sizes and lifetimes of a workload's
+//! allocations are known in advance, all of them can come from one arena laid out beforehand.
+//!
+//! - [`plan_offsets`] lays out allocations with known lifetimes in one arena (the `pytorch`
+//!   baseline and better algorithms, see [`Algorithm`]); [`lower_bound`] and [`validate`]
+//!   measure and prove a layout;
+//! - [`profiling`]: an allocator that records one iteration, plans it, and serves later
+//!   iterations from one blob (PyTorch's CPU profiling allocator, with a fallback instead of
+//!   an exception when an iteration differs);
+//! - [`storage`]: Static Runtime's storage-group planner (values that never live at the same
+//!   time share a storage group; one buffer per iteration sized by what each group held);
+//! - [`memory`]: where the planners' blobs and fallback allocations come from (host or device).
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+
+mod check;
+mod greedy;
+pub mod memory;
+mod offsets;
+pub mod profiling;
+mod search;
+pub mod storage;
+pub mod traces;
+
+pub use check::{lower_bound, validate};
+
+/// One allocation to place: its size in bytes and its lifetime, the inclusive range of time
+/// steps during which it is live. Two allocations are live together when their ranges meet.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Allocation {
+    /// Bytes requested (rounded up to the plan's alignment when placed).
+    pub size: u64,
+    /// First time step at which the allocation is live.
+    pub first_use: u64,
+    /// Last time step at which the allocation is live (inclusive).
+    pub last_use: u64,
+}
+
+impl Allocation {
+    /// An allocation of `size` bytes live from `first_use` to `last_use` inclusive.
+    pub fn new(size: u64, first_use: u64, last_use: u64) -> Allocation {
+        Allocation {
+            size,
+            first_use,
+            last_use,
+        }
+    }
+
+    /// Whether `self` and `other` are live at some common time step.
+    pub fn overlaps_in_time(&self, other: &Allocation) -> bool {
+        self.first_use <= other.last_use && other.first_use <= self.last_use
+    }
+}
+
+/// A layout: the offset of each allocation in the arena, and the arena's size.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OffsetPlan {
+    /// Offset of allocation `i` from the start of the arena; a multiple of the alignment.
+    pub offsets: Vec<u64>,
+    /// Bytes the arena needs: the largest `offset + aligned size`.
+    pub arena_size: u64,
+}
+
+/// The offset-planning algorithms.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Algorithm {
+    /// The smallest of the greedy orders below (all of them, stopping at the lower bound;
+    /// fewer on inputs so dense that they would be slow) and, when none reaches the bound,
+    /// [`Algorithm::Pytorch`]; then, for up to 14 nonzero allocations, a short exact search.
+    /// Never larger than `Pytorch` on any input.
+    Best,
+    /// PyTorch's profiling-allocator plan: allocations and frees in time order, best fit among
+    /// free gaps, coalescing on free, growing the arena at its end.
+    Pytorch,
+    /// Largest allocation first, each placed in the smallest gap among the already placed
+    /// allocations it is live with (Pisarchyk & Lee 2020; TFLite's arena planner).
+    GreedyBySize,
+    /// Time steps with the most live bytes first; within one, largest allocation first
+    /// (Pisarchyk & Lee 2020, "greedy by breadth"), placed as in `GreedyBySize`.
+    GreedyByBreadth,
+    /// Largest size × lifetime first, placed as in `GreedyBySize`.
+    GreedyByArea,
+    /// Longest lifetime first, then largest, placed as in `GreedyBySize`.
+    GreedyByLifetime,
+    /// Allocation order (first use), each placed in the smallest gap among the live ones.
+    GreedyByTime,
+    /// Every greedy order, then branch and bound over all layouts (inputs of up to 64
+    /// nonzero allocations) under a work budget of about a second: optimal when the search
+    /// finishes, never larger than `Best`.
+    Exact,
+}
+
+impl Algorithm {
+    /// Every algorithm, in the order their names are listed.
+    pub fn all() -> [Algorithm; 8] {
+        [
+            Algorithm::Best,
+            Algorithm::Pytorch,
+            Algorithm::GreedyBySize,
+            Algorithm::GreedyByBreadth,
+            Algorithm::GreedyByArea,
+            Algorithm::GreedyByLifetime,
+            Algorithm::GreedyByTime,
+            Algorithm::Exact,
+        ]
+    }
+
+    /// The name the C API and the JSON plans use.
+    pub fn name(self) -> &'static str {
+        match self {
+            Algorithm::Best => "best",
+            Algorithm::Pytorch => "pytorch",
+            Algorithm::GreedyBySize => "greedy-by-size",
+            Algorithm::GreedyByBreadth => "greedy-by-breadth",
+            Algorithm::GreedyByArea => "greedy-by-area",
+            Algorithm::GreedyByLifetime => "greedy-by-lifetime",
+            Algorithm::GreedyByTime => "greedy-by-time",
+            Algorithm::Exact => "exact",
+        }
+    }
+
+    /// The algorithm called `name` (`"default"` is [`Algorithm::Best`]).
+    pub fn from_name(name: &str) -> Result<Algorithm> {
+        if name == "default" {
+            return Ok(Algorithm::Best);
+        }
+        Algorithm::all()
+            .into_iter()
+            .find(|a| a.name() == name)
+            .ok_or_else(|| {
+                let names: Vec<&str> = Algorithm::all().iter().map(|a| a.name()).collect();
+                Error::InvalidArgument(format!(
+                    "unknown planning algorithm \"{name}\" (known: default, {})",
+                    names.join(", ")
+                ))
+            })
+    }
+}
+
+/// Alignment of every offset when the caller has no other need: 64 bytes, a cache line and
+/// enough for any vector load.
+pub(crate) const DEFAULT_ALIGNMENT: u64 = 64;
+
+/// Lays out `allocs` in one arena with `algorithm`: every offset is a multiple of `alignment`
+/// (a power of two), and allocations live at the same time never share a byte. Sizes are
+/// rounded up to the alignment. Zero-byte allocations get offset 0.
+///
+/// Fails when the alignment is not a power of two, a lifetime ends before it starts, or the
+/// aligned sizes add up to more than `u64::MAX` bytes.
+pub fn plan_offsets(
+    allocs: &[Allocation],
+    alignment: u64,
+    algorithm: Algorithm,
+) -> Result<OffsetPlan> {
+    let problem = Problem::new(allocs, alignment)?;
+    let plan = match algorithm {
+        Algorithm::Best => problem.best(false),
+        Algorithm::Exact => problem.best(true),
+        Algorithm::Pytorch => problem.pytorch(),
+        greedy => problem.greedy(offsets::Order::of(greedy)),
+    };
+    debug_assert!(validate(allocs, &plan, alignment).is_ok());
+    Ok(plan)
+}
+
+/// The checked input of a planner: sizes rounded up to the alignment, lifetimes verified.
+pub(crate) struct Problem {
+    /// Aligned sizes.
+    pub(crate) sizes: Vec<u64>,
+    pub(crate) first: Vec<u64>,
+    pub(crate) last: Vec<u64>,
+}
+
+impl Problem {
+    pub(crate) fn new(allocs: &[Allocation], alignment: u64) -> Result<Problem> {
+        check_alignment(alignment)?;
+        // Planners index allocations with 32-bit integers.
+        if allocs.len() >= u32::MAX as usize {
+            return Err(Error::InvalidArgument(format!(
+                "{} allocations are more than a plan can hold ({} at most)",
+                allocs.len(),
+                u32::MAX - 1
+            )));
+        }
+        let mut total: u128 = 0;
+        let mut sizes = Vec::with_capacity(allocs.len());
+        for (i, a) in allocs.iter().enumerate() {
+            if a.first_use > a.last_use {
+                return Err(Error::InvalidArgument(format!(
+                    "allocation {i} ends (last use {}) before it starts (first use {})",
+                    a.last_use, a.first_use
+                )));
+            }
+            let aligned = align_up(a.size, alignment).ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "allocation {i} has an absurd size ({} bytes)",
+                    a.size
+                ))
+            })?;
+            total += u128::from(aligned);
+            sizes.push(aligned);
+        }
+        if total > u128::from(u64::MAX) {
+            return Err(Error::InvalidArgument(format!(
+                "the allocations add up to {total} bytes, more than any arena can hold"
+            )));
+        }
+        Ok(Problem {
+            sizes,
+            first: allocs.iter().map(|a| a.first_use).collect(),
+            last: allocs.iter().map(|a| a.last_use).collect(),
+        })
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.sizes.len()
+    }
+}
+
+/// Rejects alignments that are zero or not a power of two.
+pub(crate) fn check_alignment(alignment: u64) -> Result<()> {
+    if alignment == 0 || !alignment.is_power_of_two() {
+        return Err(Error::InvalidArgument(format!(
+            "alignment must be a nonzero power of two, not {alignment}"
+        )));
+    }
+    Ok(())
+}
+
+/// `size` rounded up to a multiple of `alignment` (a power of two); `None` on overflow.
+pub(crate) fn align_up(size: u64, alignment: u64) -> Option<u64> {
+    Some(size.checked_add(alignment - 1)? & !(alignment - 1))
+}

@@ -1,0 +1,115 @@
+//! Planner benchmarks: offset planning time on synthetic model traces of about 10,000
+//! allocations (`cargo bench --bench plan`), the plan / lower-bound ratio of every algorithm
+//! on those traces (printed first), and serving an iteration from a profiling plan.
+
+use std::hint::black_box;
+
+use criterion::{criterion_group, BenchmarkId, Criterion};
+use tensoralloc::plan::memory::HostMemory;
+use tensoralloc::plan::profiling::Profiler;
+use tensoralloc::plan::{lower_bound, plan_offsets, traces, Algorithm, Allocation};
+
+/// The traces measured: name and allocations.
+fn model_traces() -> Vec<(&'static str, Vec<Allocation>)> {
+    vec![
+        // 24 layers, 14 micro-batches of 8 × up to 1024 tokens, hidden 1024: 9,326 allocations.
+        (
+            "transformer-train-24L",
+            traces::transformer_training(24, 14, 8, 1024, 1024, 16, 1),
+        ),
+        // 48 layers, 7 micro-batches: deeper, so more activations live at once. 9,391.
+        (
+            "transformer-train-48L",
+            traces::transformer_training(48, 7, 8, 1024, 1024, 16, 2),
+        ),
+        // ResNet-50 layout, batch 32 at 224 px, 28 steps: 10,108 allocations.
+        ("resnet50-train", traces::cnn_training(32, 224, 28, 3)),
+        // 24-layer transformer serving 40 requests of up to 2048 tokens: 9,718 allocations.
+        (
+            "transformer-infer",
+            traces::transformer_inference(24, 40, 1, 2048, 2048, 16, 4),
+        ),
+        // A small training step, where the default also runs every greedy order.
+        (
+            "transformer-train-12L-small",
+            traces::transformer_training(12, 4, 4, 512, 768, 12, 5),
+        ),
+    ]
+}
+
+/// Prints, for each trace, every algorithm's arena divided by the lower bound.
+fn report_ratios() {
+    println!("plan size / lower bound (alignment 64):");
+    for (name, allocs) in model_traces() {
+        let bound = lower_bound(&allocs, 64).unwrap();
+        print!(
+            "  {name:28} n={:5} bound={:6.2} GiB",
+            allocs.len(),
+            bound as f64 / (1u64 << 30) as f64
+        );
+        for algorithm in Algorithm::all() {
+            if algorithm == Algorithm::Exact {
+                continue;
+            }
+            let plan = plan_offsets(&allocs, 64, algorithm).unwrap();
+            print!(
+                "  {} {:.4}",
+                algorithm.name(),
+                plan.arena_size as f64 / bound as f64
+            );
+        }
+        println!();
+    }
+}
+
+fn offsets(c: &mut Criterion) {
+    let mut group = c.benchmark_group("plan_offsets");
+    group.sample_size(20);
+    for (name, allocs) in model_traces() {
+        for algorithm in [Algorithm::Best, Algorithm::Pytorch, Algorithm::GreedyBySize] {
+            group.bench_with_input(
+                BenchmarkId::new(algorithm.name(), name),
+                &allocs,
+                |b, allocs| b.iter(|| plan_offsets(black_box(allocs), 64, algorithm).unwrap()),
+            );
+        }
+    }
+    group.finish();
+}
+
+fn serving(c: &mut Criterion) {
+    // An inference-like iteration of 1,000 allocations, each freed two allocations later.
+    let sizes: Vec<usize> = (0..1000).map(|i| 256 + (i * 7919) % 65536).collect();
+    let iteration = |p: &mut Profiler| {
+        let mut live = std::collections::VecDeque::new();
+        for &s in &sizes {
+            live.push_back(p.malloc(s as u64).unwrap());
+            if live.len() > 2 {
+                p.free(live.pop_front().unwrap()).unwrap();
+            }
+        }
+        for a in live {
+            p.free(a).unwrap();
+        }
+    };
+    let mut p = Profiler::new(Box::new(HostMemory), 64).unwrap();
+    p.begin_recording().unwrap();
+    iteration(&mut p);
+    p.end_recording().unwrap();
+    p.formulate(Algorithm::Best).unwrap();
+    c.bench_function("profiling/serve_1000_allocations", |b| {
+        b.iter(|| {
+            p.begin_serving().unwrap();
+            iteration(&mut p);
+            p.end_serving().unwrap();
+        })
+    });
+}
+
+criterion_group!(benches, offsets, serving);
+
+fn main() {
+    report_ratios();
+    benches();
+    Criterion::default().configure_from_args().final_summary();
+}

@@ -1,0 +1,364 @@
+//! Heuristic offset planners: PyTorch's event-order best fit (the baseline), and greedy
+//! placement among the already placed allocations one is live with, under several orderings;
+//! [`Problem::best`] keeps the smallest of them all.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use super::greedy::Greedy;
+use super::{Algorithm, OffsetPlan, Problem};
+
+/// Inputs with at most this many nonzero allocations get an exact search inside `Best`.
+const BEST_SEARCH_LIMIT: usize = 14;
+/// Search nodes the exact search may visit inside `Best` (about a millisecond). The budgets
+/// count work rather than time so that a plan does not depend on the machine's load.
+const BEST_SEARCH_NODES: u64 = 2_000;
+/// Search nodes the `Exact` algorithm may visit (about a second).
+const EXACT_SEARCH_NODES: u64 = 1_000_000;
+/// Work (placed-neighbour visits) `Best` spends on greedy orders after the first: each pass
+/// visits every allocation's conflicts, so dense inputs get fewer extra orders and stay fast.
+const BEST_GREEDY_WORK: usize = 4_000_000;
+
+/// Which allocation the greedy planner places first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Order {
+    Size,
+    Breadth,
+    Area,
+    Lifetime,
+    Time,
+}
+
+impl Order {
+    pub(crate) const ALL: [Order; 5] = [
+        Order::Size,
+        Order::Breadth,
+        Order::Area,
+        Order::Lifetime,
+        Order::Time,
+    ];
+
+    pub(crate) fn of(algorithm: Algorithm) -> Order {
+        match algorithm {
+            Algorithm::GreedyByBreadth => Order::Breadth,
+            Algorithm::GreedyByArea => Order::Area,
+            Algorithm::GreedyByLifetime => Order::Lifetime,
+            Algorithm::GreedyByTime => Order::Time,
+            _ => Order::Size,
+        }
+    }
+}
+
+/// The conflict graph over the nonzero allocations, for the exact search. With the allocations
+/// ranked by first use,
+/// the neighbours of `i` that start at or after it are a run of ranks (those starting before
+/// its last use), and the ones that start before it are the allocations still live when it
+/// starts: only the latter are stored, in one sweep, half the graph and written in order.
+pub(crate) struct Conflicts {
+    /// Nonzero allocations by (first use, index).
+    by_first: Vec<u32>,
+    /// Rank of each allocation in `by_first` (unused for zero-sized ones).
+    rank: Vec<u32>,
+    /// `by_first[rank + 1..later_end[rank]]` start during the allocation's lifetime.
+    later_end: Vec<u32>,
+    /// `earlier[earlier_start[rank]..earlier_start[rank + 1]]` started before it and are live
+    /// when it starts.
+    earlier_start: Vec<usize>,
+    earlier: Vec<u32>,
+    /// Indices of the allocations with a nonzero size, ascending.
+    pub(crate) nonzero: Vec<u32>,
+}
+
+impl Conflicts {
+    pub(crate) fn of(p: &Problem) -> Conflicts {
+        let nonzero: Vec<u32> = (0..p.len() as u32)
+            .filter(|&i| p.sizes[i as usize] > 0)
+            .collect();
+        let mut by_first = nonzero.clone();
+        by_first.sort_unstable_by_key(|&i| (p.first[i as usize], i));
+        let mut rank = vec![u32::MAX; p.len()];
+        for (r, &i) in by_first.iter().enumerate() {
+            rank[i as usize] = r as u32;
+        }
+        let firsts: Vec<u64> = by_first.iter().map(|&i| p.first[i as usize]).collect();
+        let later_end = by_first
+            .iter()
+            .map(|&i| firsts.partition_point(|&f| f <= p.last[i as usize]) as u32)
+            .collect();
+        let mut earlier_start = Vec::with_capacity(by_first.len() + 1);
+        let mut earlier = Vec::new();
+        let mut active: Vec<u32> = Vec::new();
+        for &i in &by_first {
+            let first = p.first[i as usize];
+            active.retain(|&j| p.last[j as usize] >= first);
+            earlier_start.push(earlier.len());
+            earlier.extend_from_slice(&active);
+            active.push(i);
+        }
+        earlier_start.push(earlier.len());
+        Conflicts {
+            by_first,
+            rank,
+            later_end,
+            earlier_start,
+            earlier,
+            nonzero,
+        }
+    }
+
+    /// The allocations live at some time step together with nonzero allocation `i`.
+    pub(crate) fn of_alloc(&self, i: usize) -> impl Iterator<Item = u32> + '_ {
+        let r = self.rank[i] as usize;
+        let earlier = &self.earlier[self.earlier_start[r]..self.earlier_start[r + 1]];
+        let later = &self.by_first[r + 1..self.later_end[r] as usize];
+        earlier.iter().chain(later).copied()
+    }
+}
+
+impl Problem {
+    /// PyTorch's plan (seed `CPUProfilingAllocator.cpp`), as it was meant to work: events in
+    /// time order (at one time step, allocations before frees, since lifetimes are inclusive),
+    /// each allocation in the smallest free gap that holds it (lowest offset among equals), or
+    /// else at the end of the arena, which then grows; a free merges with the gaps on both
+    /// sides. Unlike the original, equal-sized gaps do not replace each other and no entry is
+    /// read after it is erased.
+    pub(crate) fn pytorch(&self) -> OffsetPlan {
+        let mut events: Vec<(u64, u8, u32)> = Vec::with_capacity(2 * self.len());
+        for i in 0..self.len() {
+            if self.sizes[i] > 0 {
+                events.push((self.first[i], 0, i as u32));
+                events.push((self.last[i], 1, i as u32));
+            }
+        }
+        events.sort_unstable();
+        let mut offsets = vec![0u64; self.len()];
+        let mut by_size: BTreeSet<(u64, u64)> = BTreeSet::new();
+        let mut by_start: BTreeMap<u64, u64> = BTreeMap::new();
+        let mut arena = 0u64;
+        for (_, kind, i) in events {
+            let i = i as usize;
+            let size = self.sizes[i];
+            if kind == 0 {
+                let fit = by_size.range((size, 0)..).next().copied();
+                offsets[i] = match fit {
+                    Some((gap, start)) => {
+                        by_size.remove(&(gap, start));
+                        by_start.remove(&start);
+                        if gap > size {
+                            by_size.insert((gap - size, start + size));
+                            by_start.insert(start + size, gap - size);
+                        }
+                        start
+                    }
+                    None => {
+                        arena += size;
+                        arena - size
+                    }
+                };
+            } else {
+                let (mut start, mut len) = (offsets[i], size);
+                if let Some(after) = by_start.remove(&(start + len)) {
+                    by_size.remove(&(after, start + len));
+                    len += after;
+                }
+                let before = by_start.range(..start).next_back().map(|(&s, &l)| (s, l));
+                if let Some((s, l)) = before {
+                    if s + l == start {
+                        by_start.remove(&s);
+                        by_size.remove(&(l, s));
+                        start = s;
+                        len += l;
+                    }
+                }
+                by_start.insert(start, len);
+                by_size.insert((len, start));
+            }
+        }
+        OffsetPlan {
+            offsets,
+            arena_size: arena,
+        }
+    }
+
+    /// One greedy pass in the given order.
+    pub(crate) fn greedy(&self, order: Order) -> OffsetPlan {
+        let nonzero = self.nonzero();
+        let sequence = self.sequence(order, &nonzero);
+        Greedy::new(self).pass(self, &sequence)
+    }
+
+    /// Indices of the allocations with a nonzero size, ascending.
+    pub(crate) fn nonzero(&self) -> Vec<u32> {
+        (0..self.len() as u32)
+            .filter(|&i| self.sizes[i as usize] > 0)
+            .collect()
+    }
+
+    /// The nonzero allocations in the order `order` places them.
+    fn sequence(&self, order: Order, nonzero: &[u32]) -> Vec<u32> {
+        use std::cmp::Reverse;
+        let len = |i: usize| self.last[i] - self.first[i];
+        // Keys are computed once and sorted with their index: cheaper than looking them up
+        // in every comparison.
+        fn sorted<K: Ord>(mut keyed: Vec<(K, u32)>) -> Vec<u32> {
+            keyed.sort_unstable();
+            keyed.into_iter().map(|(_, i)| i).collect()
+        }
+        let keyed = |key: &dyn Fn(usize) -> (u128, u64, u64)| -> Vec<u32> {
+            sorted(nonzero.iter().map(|&i| (key(i as usize), i)).collect())
+        };
+        match order {
+            Order::Size => keyed(&|i| {
+                let key = (u128::from(self.sizes[i]) << 64) | u128::from(len(i));
+                (!key, self.first[i], 0)
+            }),
+            Order::Area => keyed(&|i| {
+                let area = u128::from(self.sizes[i]) * (u128::from(len(i)) + 1);
+                (!area, !self.sizes[i], self.first[i])
+            }),
+            Order::Lifetime => keyed(&|i| {
+                let key = (u128::from(len(i)) << 64) | u128::from(self.sizes[i]);
+                (!key, self.first[i], 0)
+            }),
+            Order::Time => keyed(&|i| (u128::from(self.first[i]), !self.sizes[i], 0)),
+            Order::Breadth => {
+                let key = self.breadth_keys(nonzero);
+                sorted(
+                    nonzero
+                        .iter()
+                        .map(|&i| {
+                            let (breadth, step) = key[i as usize];
+                            ((Reverse(breadth), step, Reverse(self.sizes[i as usize])), i)
+                        })
+                        .collect(),
+                )
+            }
+        }
+    }
+
+    /// For each allocation, the most bytes live at one time step of its lifetime, and the
+    /// first such step (as an index into the sorted distinct first uses).
+    fn breadth_keys(&self, nonzero: &[u32]) -> Vec<(u64, usize)> {
+        // Live bytes only grow where an allocation starts, so the maximum over a lifetime is
+        // reached at a first use inside it.
+        let mut steps: Vec<u64> = nonzero.iter().map(|&i| self.first[i as usize]).collect();
+        steps.sort_unstable();
+        steps.dedup();
+        let mut delta_start = vec![0u64; steps.len()];
+        let mut delta_end = vec![0u64; steps.len() + 1];
+        for &i in nonzero {
+            let i = i as usize;
+            let s = steps.partition_point(|&t| t < self.first[i]);
+            let e = steps.partition_point(|&t| t <= self.last[i]);
+            delta_start[s] += self.sizes[i];
+            delta_end[e] += self.sizes[i];
+        }
+        let mut breadth = Vec::with_capacity(steps.len());
+        let mut live = 0u64;
+        for k in 0..steps.len() {
+            live = live + delta_start[k] - delta_end[k];
+            breadth.push(live);
+        }
+        let table = SparseMax::new(&breadth);
+        let mut keys = vec![(0, 0); self.len()];
+        for &i in nonzero {
+            let i = i as usize;
+            let s = steps.partition_point(|&t| t < self.first[i]);
+            let e = steps.partition_point(|&t| t <= self.last[i]);
+            keys[i] = table.max(s, e);
+        }
+        keys
+    }
+
+    /// The smallest plan among PyTorch's and the greedy orders (all of them unless the input is
+    /// so dense that they would be slow; stopping early at the lower bound); for small inputs,
+    /// then an exact search (with `exhaustive`, every order and a longer search).
+    pub(crate) fn best(&self, exhaustive: bool) -> OffsetPlan {
+        let bound = self.lower_bound();
+        let nonzero = self.nonzero();
+        let mut greedy = Greedy::new(self);
+        let pass_work = greedy.work();
+        // On very dense inputs a greedy pass costs far more than PyTorch's plan, which may
+        // already be optimal (nothing freed before the peak, say): try it first there.
+        let mut pytorch = None;
+        if pass_work > BEST_GREEDY_WORK {
+            let plan = self.pytorch();
+            if plan.arena_size == bound {
+                return plan;
+            }
+            pytorch = Some(plan);
+        }
+        let mut best: Option<OffsetPlan> = None;
+        for (k, order) in Order::ALL.into_iter().enumerate() {
+            if k > 0 && !exhaustive && k * pass_work > BEST_GREEDY_WORK {
+                break;
+            }
+            let sequence = self.sequence(order, &nonzero);
+            let plan = greedy.pass(self, &sequence);
+            if best.as_ref().is_none_or(|b| plan.arena_size < b.arena_size) {
+                best = Some(plan);
+            }
+            if best.as_ref().is_some_and(|b| b.arena_size == bound) {
+                break;
+            }
+        }
+        let mut best = best.expect("at least one greedy pass runs");
+        // PyTorch's plan can only win when the greedy ones missed the bound.
+        if best.arena_size > bound {
+            let pytorch = pytorch.unwrap_or_else(|| self.pytorch());
+            if pytorch.arena_size < best.arena_size {
+                best = pytorch;
+            }
+        }
+        let nodes = if exhaustive {
+            Some(EXACT_SEARCH_NODES)
+        } else if nonzero.len() <= BEST_SEARCH_LIMIT {
+            Some(BEST_SEARCH_NODES)
+        } else {
+            None
+        };
+        if let Some(nodes) = nodes {
+            if best.arena_size > bound {
+                best = self.branch_and_bound(&Conflicts::of(self), best, bound, nodes);
+            }
+        }
+        best
+    }
+}
+
+/// Range-maximum queries over a fixed array, answering with the value and its first index.
+struct SparseMax {
+    levels: Vec<Vec<(u64, usize)>>,
+}
+
+impl SparseMax {
+    fn new(values: &[u64]) -> SparseMax {
+        let mut levels = vec![values
+            .iter()
+            .enumerate()
+            .map(|(k, &v)| (v, k))
+            .collect::<Vec<_>>()];
+        let better = |a: (u64, usize), b: (u64, usize)| if b.0 > a.0 { b } else { a };
+        let mut width = 1;
+        while 2 * width <= values.len() {
+            let prev = levels.last().expect("one level at least");
+            let next = (0..=values.len() - 2 * width)
+                .map(|k| better(prev[k], prev[k + width]))
+                .collect();
+            levels.push(next);
+            width *= 2;
+        }
+        SparseMax { levels }
+    }
+
+    /// Maximum over `values[s..e]` (`s < e`).
+    fn max(&self, s: usize, e: usize) -> (u64, usize) {
+        let level = (usize::BITS - 1 - (e - s).leading_zeros()) as usize;
+        let a = self.levels[level][s];
+        let b = self.levels[level][e - (1 << level)];
+        if b.0 > a.0 {
+            b
+        } else {
+            a
+        }
+    }
+}

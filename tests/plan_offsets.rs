@@ -1,0 +1,302 @@
+//! Offset planning: every algorithm's plan is valid, the default is never worse than the
+//! `pytorch` baseline, and small hand-made cases come out exactly as worked out by hand.
+
+use proptest::prelude::*;
+use tensoralloc::plan::{
+    lower_bound, plan_offsets, traces, validate, Algorithm, Allocation, OffsetPlan,
+};
+use tensoralloc::Error;
+
+fn a(size: u64, first: u64, last: u64) -> Allocation {
+    Allocation::new(size, first, last)
+}
+
+fn plan(allocs: &[Allocation], algorithm: &str) -> OffsetPlan {
+    let p = plan_offsets(allocs, 64, Algorithm::from_name(algorithm).unwrap()).unwrap();
+    validate(allocs, &p, 64).unwrap();
+    p
+}
+
+fn allocations(max_len: usize) -> impl Strategy<Value = Vec<Allocation>> {
+    prop::collection::vec((0u64..5000, 0u64..40, 0u64..15), 0..max_len).prop_map(|v| {
+        v.into_iter()
+            .map(|(size, first, len)| a(size, first, first + len))
+            .collect()
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(200))]
+
+    #[test]
+    fn every_algorithm_gives_a_valid_plan_at_or_above_the_lower_bound(allocs in allocations(60)) {
+        let bound = lower_bound(&allocs, 64).unwrap();
+        // The exact search has its own property below, on inputs it can finish.
+        for algorithm in Algorithm::all().into_iter().filter(|&a| a != Algorithm::Exact) {
+            let p = plan_offsets(&allocs, 64, algorithm).unwrap();
+            prop_assert!(validate(&allocs, &p, 64).is_ok(), "{}: {:?}", algorithm.name(), validate(&allocs, &p, 64));
+            prop_assert!(p.arena_size >= bound);
+        }
+    }
+
+    /// Hundreds of allocations: the greedy pass's bitmaps span many words.
+    #[test]
+    fn greedy_plans_of_large_inputs_are_valid(allocs in prop::collection::vec((1u64..100_000, 0u64..400, 0u64..60), 200..400)
+        .prop_map(|v| v.into_iter().map(|(size, first, len)| a(size, first, first + len)).collect::<Vec<_>>())) {
+        for algorithm in [Algorithm::GreedyBySize, Algorithm::GreedyByBreadth, Algorithm::GreedyByTime, Algorithm::Best] {
+            let p = plan_offsets(&allocs, 64, algorithm).unwrap();
+            prop_assert!(validate(&allocs, &p, 64).is_ok(), "{}: {:?}", algorithm.name(), validate(&allocs, &p, 64));
+        }
+    }
+
+    #[test]
+    fn the_default_plan_is_never_larger_than_pytorch_or_any_greedy_order(allocs in allocations(60)) {
+        let best = plan_offsets(&allocs, 64, Algorithm::Best).unwrap().arena_size;
+        for algorithm in Algorithm::all() {
+            if algorithm != Algorithm::Exact {
+                prop_assert!(best <= plan_offsets(&allocs, 64, algorithm).unwrap().arena_size, "{}", algorithm.name());
+            }
+        }
+    }
+
+    #[test]
+    fn exact_search_is_valid_and_never_larger_than_the_default(allocs in allocations(12)) {
+        let exact = plan_offsets(&allocs, 64, Algorithm::Exact).unwrap();
+        prop_assert!(validate(&allocs, &exact, 64).is_ok());
+        prop_assert!(exact.arena_size <= plan_offsets(&allocs, 64, Algorithm::Best).unwrap().arena_size);
+    }
+
+    #[test]
+    fn plans_are_valid_at_every_alignment(allocs in allocations(30), shift in 0u32..13) {
+        let alignment = 1u64 << shift;
+        for algorithm in Algorithm::all().into_iter().filter(|&a| a != Algorithm::Exact) {
+            let p = plan_offsets(&allocs, alignment, algorithm).unwrap();
+            prop_assert!(validate(&allocs, &p, alignment).is_ok());
+            prop_assert!(p.offsets.iter().all(|o| o % alignment == 0));
+        }
+    }
+}
+
+#[test]
+fn pytorch_grows_the_arena_where_the_default_reaches_the_bound() {
+    // B lives through C's step; A's gap is too small for C.
+    let allocs = [a(64, 0, 0), a(64, 0, 2), a(128, 1, 1)];
+    assert_eq!(lower_bound(&allocs, 64).unwrap(), 192);
+    let p = plan(&allocs, "pytorch");
+    assert_eq!(p.offsets, vec![0, 64, 128]);
+    assert_eq!(p.arena_size, 256);
+    assert_eq!(plan(&allocs, "default").arena_size, 192);
+}
+
+#[test]
+fn pytorch_keeps_two_free_gaps_of_the_same_size() {
+    // A and C die at step 0 leaving two 64-byte gaps; E and F fill both (a size-keyed map
+    // without duplicates would lose one gap and grow the arena).
+    let allocs = [
+        a(64, 0, 0),
+        a(64, 0, 3),
+        a(64, 0, 0),
+        a(64, 0, 3),
+        a(64, 1, 3),
+        a(64, 1, 3),
+    ];
+    let p = plan(&allocs, "pytorch");
+    assert_eq!(p.offsets, vec![0, 64, 128, 192, 0, 128]);
+    assert_eq!(p.arena_size, 256);
+}
+
+#[test]
+fn pytorch_coalesces_freed_neighbours_into_one_gap() {
+    // A and B are freed side by side; C needs both of their bytes.
+    let allocs = [a(64, 0, 0), a(64, 0, 0), a(64, 0, 2), a(128, 1, 2)];
+    let p = plan(&allocs, "pytorch");
+    assert_eq!(p.offsets, vec![0, 64, 128, 0]);
+    assert_eq!(p.arena_size, 192);
+}
+
+#[test]
+fn pytorch_places_an_allocation_too_large_for_every_gap_past_the_end() {
+    // The baseline grows the arena by the whole size even when the last gap touches its end.
+    let allocs = [a(1000, 0, 1), a(3000, 2, 3), a(2000, 4, 4)];
+    let p = plan(&allocs, "pytorch");
+    assert_eq!(p.offsets, vec![0, 1024, 0]);
+    assert_eq!(p.arena_size, 1024 + 3008);
+}
+
+#[test]
+fn allocations_live_at_different_times_share_the_arena() {
+    let allocs = [a(1000, 0, 1), a(3000, 2, 3), a(2000, 4, 4)];
+    for algorithm in Algorithm::all()
+        .into_iter()
+        .filter(|&a| a != Algorithm::Pytorch)
+    {
+        let p = plan(&allocs, algorithm.name());
+        assert_eq!(p.offsets, vec![0, 0, 0], "{}", algorithm.name());
+        assert_eq!(p.arena_size, 3008);
+    }
+}
+
+#[test]
+fn allocations_live_at_the_same_time_are_stacked() {
+    let allocs = [a(100, 0, 5), a(200, 3, 3), a(300, 3, 9)];
+    for algorithm in Algorithm::all() {
+        assert_eq!(
+            plan(&allocs, algorithm.name()).arena_size,
+            128 + 256 + 320,
+            "{}",
+            algorithm.name()
+        );
+    }
+}
+
+#[test]
+fn lifetimes_are_inclusive() {
+    // Last use at 3 and first use at 3: live together, so they cannot share bytes.
+    let together = [a(64, 0, 3), a(64, 3, 5)];
+    assert_eq!(plan(&together, "default").arena_size, 128);
+    let apart = [a(64, 0, 2), a(64, 3, 5)];
+    assert_eq!(plan(&apart, "default").arena_size, 64);
+}
+
+#[test]
+fn zero_byte_allocations_take_no_space() {
+    let allocs = [a(0, 0, 9), a(64, 0, 9), a(0, 2, 2)];
+    let p = plan(&allocs, "default");
+    assert_eq!(p.offsets[0], 0);
+    assert_eq!(p.offsets[2], 0);
+    assert_eq!(p.arena_size, 64);
+}
+
+#[test]
+fn sizes_are_rounded_up_to_the_alignment() {
+    let allocs = [a(1, 0, 1), a(1, 0, 1)];
+    let p = plan_offsets(&allocs, 4096, Algorithm::Best).unwrap();
+    assert_eq!(p.arena_size, 8192);
+    assert!(p.offsets.iter().all(|o| o % 4096 == 0));
+}
+
+#[test]
+fn exact_search_reaches_the_lower_bound_on_a_small_tight_case() {
+    // Packed by hand into 4 units, which is also the lower bound.
+    let u = 64;
+    let allocs = [
+        a(2 * u, 0, 1),
+        a(u, 1, 2),
+        a(u, 0, 0),
+        a(2 * u, 2, 3),
+        a(u, 3, 3),
+        a(u, 1, 3),
+    ];
+    let bound = lower_bound(&allocs, 64).unwrap();
+    let exact = plan(&allocs, "exact");
+    assert_eq!(exact.arena_size, bound);
+    assert!(exact.arena_size <= plan(&allocs, "greedy-by-size").arena_size);
+}
+
+#[test]
+fn the_validator_names_two_overlapping_live_allocations() {
+    let allocs = [a(64, 0, 3), a(64, 2, 5)];
+    let bad = OffsetPlan {
+        offsets: vec![0, 32],
+        arena_size: 128,
+    };
+    let err = validate(&allocs, &bad, 32).unwrap_err();
+    assert!(err.message().contains("allocations 0 and 1"), "{err}");
+}
+
+#[test]
+fn the_validator_rejects_misaligned_offsets_and_a_short_arena() {
+    let allocs = [a(64, 0, 3)];
+    assert!(validate(
+        &allocs,
+        &OffsetPlan {
+            offsets: vec![8],
+            arena_size: 128
+        },
+        64
+    )
+    .is_err());
+    assert!(validate(
+        &allocs,
+        &OffsetPlan {
+            offsets: vec![64],
+            arena_size: 64
+        },
+        64
+    )
+    .is_err());
+    assert!(validate(
+        &allocs,
+        &OffsetPlan {
+            offsets: vec![],
+            arena_size: 64
+        },
+        64
+    )
+    .is_err());
+}
+
+#[test]
+fn bad_input_is_rejected() {
+    let bad_lifetime = [a(64, 5, 4)];
+    assert!(matches!(
+        plan_offsets(&bad_lifetime, 64, Algorithm::Best),
+        Err(Error::InvalidArgument(_))
+    ));
+    let ok = [a(64, 0, 1)];
+    assert!(plan_offsets(&ok, 0, Algorithm::Best).is_err());
+    assert!(plan_offsets(&ok, 96, Algorithm::Best).is_err());
+    assert!(Algorithm::from_name("nonsense").is_err());
+    assert_eq!(Algorithm::from_name("default").unwrap(), Algorithm::Best);
+    let huge = [a(u64::MAX - 10, 0, 1)];
+    assert!(plan_offsets(&huge, 64, Algorithm::Best).is_err());
+    let overflowing = [
+        a(u64::MAX / 2, 0, 1),
+        a(u64::MAX / 2, 0, 1),
+        a(u64::MAX / 2, 0, 1),
+    ];
+    assert!(plan_offsets(&overflowing, 64, Algorithm::Pytorch).is_err());
+}
+
+#[test]
+fn every_algorithm_has_a_name_that_parses_back() {
+    for algorithm in Algorithm::all() {
+        assert_eq!(Algorithm::from_name(algorithm.name()).unwrap(), algorithm);
+    }
+}
+
+/// The quality target on realistic traces, at sizes a debug build plans quickly (the
+/// benchmark reports the large ones).
+#[test]
+fn the_default_plan_is_within_two_percent_of_the_bound_on_model_traces() {
+    let cases = [
+        (
+            "transformer training",
+            traces::transformer_training(4, 2, 4, 512, 768, 12, 7),
+        ),
+        ("cnn training", traces::cnn_training(16, 224, 1, 8)),
+        (
+            "transformer inference",
+            traces::transformer_inference(6, 8, 1, 1024, 1024, 16, 9),
+        ),
+    ];
+    for (name, allocs) in cases {
+        let bound = lower_bound(&allocs, 64).unwrap();
+        let best = plan(&allocs, "default").arena_size;
+        let pytorch = plan(&allocs, "pytorch").arena_size;
+        assert!(best <= pytorch, "{name}");
+        assert!(
+            best as f64 <= 1.02 * bound as f64,
+            "{name}: {best} vs bound {bound}"
+        );
+    }
+}
+
+#[test]
+fn thousands_of_allocations_live_together_are_stacked_without_gaps() {
+    let allocs: Vec<Allocation> = (0..3000u64)
+        .map(|i| a(64 * (1 + i % 7), i / 1000, 10))
+        .collect();
+    let p = plan(&allocs, "default");
+    assert_eq!(p.arena_size, allocs.iter().map(|x| x.size).sum::<u64>());
+}
