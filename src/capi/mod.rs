@@ -174,7 +174,6 @@ pub(crate) use ffi_boundary;
 ///
 /// # Safety
 /// `s` must be NULL or point to a NUL-terminated string.
-#[allow(dead_code)]
 pub(crate) unsafe fn opt_str<'a>(
     s: *const c_char,
     what: &str,
