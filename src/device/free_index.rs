@@ -29,8 +29,13 @@ impl FreeIndex {
     pub fn insert(&mut self, key: Key) {
         match self {
             FreeIndex::Sorted(v) => {
-                let at = v.partition_point(|k| *k < key);
-                v.insert(at, key);
+                // Appending is the common case in small pools (one free block, or the largest).
+                if v.last().is_none_or(|last| *last < key) {
+                    v.push(key);
+                } else {
+                    let at = v.partition_point(|k| *k < key);
+                    v.insert(at, key);
+                }
                 if v.len() > PROMOTE {
                     *self = FreeIndex::Tree(v.drain(..).collect());
                 }
@@ -43,6 +48,10 @@ impl FreeIndex {
 
     pub fn remove(&mut self, key: &Key) -> bool {
         match self {
+            FreeIndex::Sorted(v) if v.last() == Some(key) => {
+                v.pop();
+                true
+            }
             FreeIndex::Sorted(v) => match v.binary_search(key) {
                 Ok(at) => {
                     v.remove(at);
