@@ -2,128 +2,92 @@
 //! into the smallest gap (the lowest among equals) left by the already placed allocations they
 //! are live with, or on top of them.
 //!
-//! The placed neighbours of an allocation are found without a conflict graph. With the
-//! allocations ranked by first use, the ones that start during its lifetime are a run of
-//! ranks, scanned in a bitmap of placed ranks; the ones that started earlier and are still
-//! live when it starts are those whose own run contains its rank, found by a stabbing query
-//! on a segment tree over ranks. Only placed neighbours are visited, each once, and they are
-//! put in offset order with a bitmap over the distinct offsets placed so far.
+//! Only the union of the placed neighbours' byte ranges matters, not the neighbours one by
+//! one, and greedy layouts pack tightly, so such unions are a few intervals where the
+//! neighbours are hundreds. Lifetimes become ranges of leaves (the distinct first uses) of a
+//! segment tree; each node keeps, as a sorted list of disjoint byte intervals, the union of
+//! the placed allocations that cover it whole (`cover`) and the union of those that start at
+//! one of its leaves (`starts`). The placed neighbours of an allocation are those live when it
+//! starts (`cover` of the nodes above its first leaf) and those starting later in its life
+//! (`starts` of the nodes its range splits into): two logarithms' worth of short lists,
+//! whatever the number of neighbours.
 
 use super::{OffsetPlan, Problem};
 
-/// Rank structures of one problem and the scratch space of its passes.
+/// Leaf ranges of one problem and the scratch space of its passes.
 pub(crate) struct Greedy {
-    /// Nonzero allocations by (first use, index): rank → allocation.
-    by_first: Vec<u32>,
-    /// Allocation → rank (for nonzero allocations).
-    rank: Vec<u32>,
-    /// Ranks `r + 1 .. later_end[r]` start while rank `r` is live.
-    later_end: Vec<u32>,
-    /// Pairs of allocations live together: the work of one pass.
+    /// Leaves `span[i].0 .. span[i].1` are the distinct first uses during allocation `i`'s
+    /// lifetime (unused for zero-sized ones).
+    span: Vec<(u32, u32)>,
+    /// Nonzero allocations.
+    count: usize,
+    /// Pairs of allocations live together.
     pairs: usize,
-    /// Leaves of the segment tree (a power of two, at least the number of ranks).
+    /// Leaves of the segment tree (a power of two, at least the number of distinct first uses).
     leaves: usize,
-    /// Segment tree over ranks: the placed ranks whose run covers each node.
-    tree: Vec<Vec<u32>>,
-    /// Placed ranks.
-    placed: Vec<u64>,
-    /// End and distinct-offset id of each placed rank.
-    placed_at: Vec<(u64, u32)>,
+    /// Per node: union of the byte ranges of placed allocations covering the node's leaves
+    /// (list `2 * node`) and of those starting at one of them (list `2 * node + 1`).
+    lists: Lists,
+    /// Gathered intervals of the allocation being placed.
+    gathered: Vec<(u64, u64)>,
     offsets: Vec<u64>,
-    index: OffsetIndex,
 }
 
 impl Greedy {
     pub(crate) fn new(p: &Problem) -> Greedy {
-        let mut keyed: Vec<(u64, u32)> = p
-            .nonzero()
-            .into_iter()
-            .map(|i| (p.first[i as usize], i))
-            .collect();
-        keyed.sort_unstable();
-        let firsts: Vec<u64> = keyed.iter().map(|&(f, _)| f).collect();
-        let by_first: Vec<u32> = keyed.into_iter().map(|(_, i)| i).collect();
-        let mut rank = vec![u32::MAX; p.len()];
-        for (r, &i) in by_first.iter().enumerate() {
-            rank[i as usize] = r as u32;
-        }
-        let later_end: Vec<u32> = by_first
-            .iter()
-            .map(|&i| firsts.partition_point(|&f| f <= p.last[i as usize]) as u32)
-            .collect();
-        // Rank r is live with every earlier rank except those that ended before it started
-        // (which all have lower ranks, since they started earlier still).
-        let mut lasts: Vec<u64> = by_first.iter().map(|&i| p.last[i as usize]).collect();
+        let nonzero = p.nonzero();
+        let mut steps: Vec<u64> = nonzero.iter().map(|&i| p.first[i as usize]).collect();
+        steps.sort_unstable();
+        // Rank r (by first use) is live with every earlier rank except those that ended
+        // before it started.
+        let mut lasts: Vec<u64> = nonzero.iter().map(|&i| p.last[i as usize]).collect();
         lasts.sort_unstable();
-        let pairs = firsts
+        let pairs = steps
             .iter()
             .enumerate()
             .map(|(r, &f)| r - lasts.partition_point(|&l| l < f))
             .sum();
-        let m = by_first.len();
-        let leaves = m.next_power_of_two().max(1);
+        steps.dedup();
+        let mut span = vec![(0, 0); p.len()];
+        for &i in &nonzero {
+            let i = i as usize;
+            let lo = steps.partition_point(|&t| t < p.first[i]) as u32;
+            let hi = steps.partition_point(|&t| t <= p.last[i]) as u32;
+            span[i] = (lo, hi);
+        }
+        let leaves = steps.len().next_power_of_two().max(1);
         Greedy {
-            by_first,
-            rank,
-            later_end,
+            span,
+            count: nonzero.len(),
             pairs,
             leaves,
-            tree: vec![Vec::new(); 2 * leaves],
-            placed: vec![0; m.div_ceil(64)],
-            placed_at: vec![(0, 0); m],
+            lists: Lists::new(4 * leaves),
+            gathered: Vec::new(),
             offsets: vec![0; p.len()],
-            index: OffsetIndex::default(),
         }
     }
 
-    /// The work of one pass: pairs of allocations live together, plus allocations.
+    /// The work of one pass measured as in a pairwise planner: pairs of allocations live
+    /// together, plus allocations.
     pub(crate) fn work(&self) -> usize {
-        self.pairs + self.by_first.len()
+        self.pairs + self.count
     }
 
     /// Places the allocations of `sequence` (the nonzero ones of `p`, in placing order).
     pub(crate) fn pass(&mut self, p: &Problem, sequence: &[u32]) -> OffsetPlan {
-        self.tree.iter_mut().for_each(Vec::clear);
-        self.placed.iter_mut().for_each(|w| *w = 0);
+        self.lists.clear();
         self.offsets.iter_mut().for_each(|o| *o = 0);
-        self.index.clear();
         let mut arena = 0u64;
         for &i in sequence {
             let i = i as usize;
-            let r = self.rank[i] as usize;
             let size = p.sizes[i];
-            let end_rank = self.later_end[r] as usize;
-            // Placed neighbours that start during this one's life.
-            let (lo, hi) = (r + 1, end_rank);
-            if lo < hi {
-                for w in lo / 64..hi.div_ceil(64) {
-                    let mut word = self.placed[w];
-                    if w == lo / 64 {
-                        word &= u64::MAX << (lo % 64);
-                    }
-                    if w == (hi - 1) / 64 && hi % 64 != 0 {
-                        word &= u64::MAX >> (64 - hi % 64);
-                    }
-                    while word != 0 {
-                        let q = w * 64 + word.trailing_zeros() as usize;
-                        let (end, id) = self.placed_at[q];
-                        self.index.mark(id, end);
-                        word &= word - 1;
-                    }
-                }
-            }
-            // Placed neighbours that started earlier and are live when this one starts.
-            let mut node = r + self.leaves;
-            while node >= 1 {
-                for &q in &self.tree[node] {
-                    let (end, id) = self.placed_at[q as usize];
-                    self.index.mark(id, end);
-                }
-                node >>= 1;
-            }
+            let (lo, hi) = self.span[i];
+            let (lo, hi) = (lo as usize + self.leaves, hi as usize + self.leaves);
+            self.gather(lo, hi);
+            self.gathered.sort_unstable();
             let mut top = 0u64;
             let mut best: Option<(u64, u64)> = None;
-            self.index.drain(|start, end| {
+            for &(start, end) in &self.gathered {
                 if start >= top + size {
                     let gap = start - top;
                     if best.is_none_or(|(g, _)| gap < g) {
@@ -131,12 +95,10 @@ impl Greedy {
                     }
                 }
                 top = top.max(end);
-            });
+            }
             let offset = best.map_or(top, |(_, at)| at);
             self.offsets[i] = offset;
-            self.placed_at[r] = (offset + size, self.index.id(offset));
-            self.placed[r / 64] |= 1 << (r % 64);
-            self.insert(lo, hi, r as u32);
+            self.record(lo, hi, (offset, offset + size));
             arena = arena.max(offset + size);
         }
         OffsetPlan {
@@ -145,105 +107,117 @@ impl Greedy {
         }
     }
 
-    /// Records that `rank` is live at ranks `lo..hi`.
-    fn insert(&mut self, lo: usize, hi: usize, rank: u32) {
-        let (mut l, mut h) = (lo + self.leaves, hi + self.leaves);
+    /// Collects into `gathered` the byte ranges of the placed allocations live at some leaf of
+    /// `lo..hi` (tree indices): those live at leaf `lo` (`cover` of the nodes above it), and
+    /// those starting at a leaf of the range (`starts` of the nodes the range splits into).
+    fn gather(&mut self, lo: usize, hi: usize) {
+        self.gathered.clear();
+        let mut a = lo;
+        while a >= 1 {
+            self.gathered.extend_from_slice(self.lists.get(cover(a)));
+            a >>= 1;
+        }
+        let (mut l, mut h) = (lo + 1, hi);
         while l < h {
             if l & 1 == 1 {
-                self.tree[l].push(rank);
+                self.gathered.extend_from_slice(self.lists.get(starts(l)));
                 l += 1;
             }
             if h & 1 == 1 {
                 h -= 1;
-                self.tree[h].push(rank);
+                self.gathered.extend_from_slice(self.lists.get(starts(h)));
             }
             l >>= 1;
             h >>= 1;
         }
     }
+
+    /// Records an allocation placed at bytes `range`, live at leaf nodes `lo..hi`: in `cover`
+    /// of the nodes that range splits into, and in `starts` of the nodes above leaf `lo`.
+    fn record(&mut self, lo: usize, hi: usize, range: (u64, u64)) {
+        let (mut l, mut h) = (lo, hi);
+        while l < h {
+            if l & 1 == 1 {
+                self.lists.add(cover(l), range);
+                l += 1;
+            }
+            if h & 1 == 1 {
+                h -= 1;
+                self.lists.add(cover(h), range);
+            }
+            l >>= 1;
+            h >>= 1;
+        }
+        let mut a = lo;
+        while a >= 1 {
+            self.lists.add(starts(a), range);
+            a >>= 1;
+        }
+    }
 }
 
-/// The distinct offsets placed so far, in order. Greedy layouts stack allocations on the
-/// same few offsets, so there are far fewer distinct offsets than allocations, and the
-/// neighbours of an allocation can be put in offset order by marking their offsets' ranks in
-/// a bitmap, instead of sorting them.
-#[derive(Default)]
-struct OffsetIndex {
-    /// Offsets by rank.
-    values: Vec<u64>,
-    id_at_rank: Vec<u32>,
-    rank_of_id: Vec<u32>,
-    /// Marks, by rank, the offsets of the neighbours being gathered.
-    bits: Vec<u64>,
-    /// Largest end among the gathered neighbours at each rank's offset.
-    max_end: Vec<u64>,
+fn cover(node: usize) -> usize {
+    2 * node
 }
 
-impl OffsetIndex {
+fn starts(node: usize) -> usize {
+    2 * node + 1
+}
+
+/// Many short lists of sorted, disjoint, non-touching half-open byte intervals, kept in one
+/// buffer so that a pass allocates nothing once the buffer has grown: each list has a slot
+/// in the buffer, moved to the buffer's end with twice the room when it fills.
+struct Lists {
+    /// Per list: where its slot starts in `pool`, its length and its slot's capacity.
+    heads: Vec<(u32, u32, u32)>,
+    pool: Vec<(u64, u64)>,
+}
+
+impl Lists {
+    fn new(count: usize) -> Lists {
+        Lists {
+            heads: vec![(0, 0, 0); count],
+            pool: Vec::new(),
+        }
+    }
+
     fn clear(&mut self) {
-        self.values.clear();
-        self.id_at_rank.clear();
-        self.rank_of_id.clear();
-        self.bits.clear();
-        self.max_end.clear();
+        self.heads.iter_mut().for_each(|h| *h = (0, 0, 0));
+        self.pool.clear();
     }
 
-    /// The id of `offset`, added if new.
-    fn id(&mut self, offset: u64) -> u32 {
-        match self.values.binary_search(&offset) {
-            Ok(rank) => self.id_at_rank[rank],
-            Err(rank) => {
-                let id = self.rank_of_id.len() as u32;
-                for r in &mut self.rank_of_id {
-                    if *r as usize >= rank {
-                        *r += 1;
-                    }
-                }
-                self.rank_of_id.push(rank as u32);
-                self.values.insert(rank, offset);
-                self.id_at_rank.insert(rank, id);
-                self.max_end.push(0);
-                self.bits.resize(self.values.len().div_ceil(64), 0);
-                id
-            }
-        }
-    }
-
-    /// Marks a neighbour at offset id `id` ending at `end`.
     #[inline]
-    fn mark(&mut self, id: u32, end: u64) {
-        // The hottest loop of planning: every placed neighbour of every allocation passes here.
-        debug_assert!((id as usize) < self.rank_of_id.len());
-        // SAFETY: ids are only made by `id`, which pushes one `rank_of_id` entry per id.
-        let r = unsafe { *self.rank_of_id.get_unchecked(id as usize) } as usize;
-        debug_assert!(r < self.max_end.len() && r >> 6 < self.bits.len());
-        // SAFETY: ranks are below `values.len()`, which `max_end` matches and `bits` covers
-        // (both grow in `id` with `values`).
-        unsafe {
-            *self.bits.get_unchecked_mut(r >> 6) |= 1 << (r & 63);
-            let slot = self.max_end.get_unchecked_mut(r);
-            if end > *slot {
-                *slot = end;
-            }
-        }
+    fn get(&self, list: usize) -> &[(u64, u64)] {
+        let (at, len, _) = self.heads[list];
+        &self.pool[at as usize..(at + len) as usize]
     }
 
-    /// Calls `f(start, end)` for each marked offset in increasing order (with the largest end
-    /// marked there), clearing the marks.
-    #[inline]
-    fn drain(&mut self, mut f: impl FnMut(u64, u64)) {
-        for w in 0..self.bits.len() {
-            let mut word = self.bits[w];
-            if word == 0 {
-                continue;
-            }
-            self.bits[w] = 0;
-            while word != 0 {
-                let r = w * 64 + word.trailing_zeros() as usize;
-                f(self.values[r], self.max_end[r]);
-                self.max_end[r] = 0;
-                word &= word - 1;
-            }
+    /// Adds `range` to the union `list`, merging it with the intervals it overlaps or touches
+    /// (a zero-byte gap holds nothing, so touching intervals may merge).
+    fn add(&mut self, list: usize, (start, end): (u64, u64)) {
+        let (at, len, cap) = self.heads[list];
+        let (at, len) = (at as usize, len as usize);
+        let items = &mut self.pool[at..at + len];
+        let first = items.partition_point(|&(_, e)| e < start);
+        let past = first + items[first..].partition_point(|&(s, _)| s <= end);
+        if first < past {
+            let merged = (start.min(items[first].0), end.max(items[past - 1].1));
+            items[first] = merged;
+            items.copy_within(past.., first + 1);
+            self.heads[list].1 = (len - (past - first - 1)) as u32;
+            return;
         }
+        if len as u32 == cap {
+            let moved = self.pool.len();
+            let cap = (2 * cap).max(2);
+            self.pool.extend_from_within(at..at + len);
+            self.pool.resize(moved + cap as usize, (0, 0));
+            self.heads[list] = (moved as u32, len as u32, cap);
+            return self.add(list, (start, end));
+        }
+        let items = &mut self.pool[at..at + len + 1];
+        items.copy_within(first..len, first + 1);
+        items[first] = (start, end);
+        self.heads[list].1 = (len + 1) as u32;
     }
 }
