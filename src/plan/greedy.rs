@@ -84,7 +84,7 @@ impl Greedy {
             let (lo, hi) = self.span[i];
             let (lo, hi) = (lo as usize + self.leaves, hi as usize + self.leaves);
             self.gather(lo, hi);
-            self.gathered.sort_unstable();
+            self.gathered.sort_unstable_by_key(|&(start, _)| start);
             let mut top = 0u64;
             let mut best: Option<(u64, u64)> = None;
             for &(start, end) in &self.gathered {
@@ -197,27 +197,41 @@ impl Lists {
     fn add(&mut self, list: usize, (start, end): (u64, u64)) {
         let (at, len, cap) = self.heads[list];
         let (at, len) = (at as usize, len as usize);
-        let items = &mut self.pool[at..at + len];
-        let first = items.partition_point(|&(_, e)| e < start);
-        let past = first + items[first..].partition_point(|&(s, _)| s <= end);
-        if first < past {
-            let merged = (start.min(items[first].0), end.max(items[past - 1].1));
-            items[first] = merged;
-            items.copy_within(past.., first + 1);
-            self.heads[list].1 = (len - (past - first - 1)) as u32;
-            return;
-        }
         if len as u32 == cap {
+            // Move the list to the end of the pool with twice the room; its old slot is
+            // abandoned until the next pass.
             let moved = self.pool.len();
-            let cap = (2 * cap).max(2);
+            let cap = (2 * cap).max(4);
             self.pool.extend_from_within(at..at + len);
             self.pool.resize(moved + cap as usize, (0, 0));
             self.heads[list] = (moved as u32, len as u32, cap);
             return self.add(list, (start, end));
         }
+        // Lists are short (a few intervals): linear scans beat binary searches and memmove.
         let items = &mut self.pool[at..at + len + 1];
-        items.copy_within(first..len, first + 1);
-        items[first] = (start, end);
-        self.heads[list].1 = (len + 1) as u32;
+        let mut first = 0;
+        while first < len && items[first].1 < start {
+            first += 1;
+        }
+        let mut past = first;
+        while past < len && items[past].0 <= end {
+            past += 1;
+        }
+        if first < past {
+            items[first] = (start.min(items[first].0), end.max(items[past - 1].1));
+            let removed = past - first - 1;
+            if removed > 0 {
+                for k in past..len {
+                    items[k - removed] = items[k];
+                }
+                self.heads[list].1 = (len - removed) as u32;
+            }
+        } else {
+            for k in (first..len).rev() {
+                items[k + 1] = items[k];
+            }
+            items[first] = (start, end);
+            self.heads[list].1 = (len + 1) as u32;
+        }
     }
 }
