@@ -23,6 +23,7 @@ pub(crate) struct Greedy {
     count: usize,
     /// Pairs of allocations live together.
     pairs: usize,
+    lower_bound: u64,
     /// Leaves of the segment tree (a power of two, at least the number of distinct first uses).
     leaves: usize,
     /// Per node: union of the byte ranges of placed allocations covering the node's leaves
@@ -38,33 +39,51 @@ impl Greedy {
         let nonzero = p.nonzero();
         let mut steps: Vec<u64> = nonzero.iter().map(|&i| p.first[i as usize]).collect();
         steps.sort_unstable();
-        // Rank r (by first use) is live with every earlier rank except those that ended
-        // before it started.
-        let mut lasts: Vec<u64> = nonzero.iter().map(|&i| p.last[i as usize]).collect();
-        lasts.sort_unstable();
-        let pairs = steps
-            .iter()
-            .enumerate()
-            .map(|(r, &f)| r - lasts.partition_point(|&l| l < f))
-            .sum();
         steps.dedup();
         let mut span = vec![(0, 0); p.len()];
+        // Per leaf: allocations starting there, allocations ending just before it, and the
+        // bytes starting and ending there.
+        let mut starting = vec![0usize; steps.len() + 1];
+        let mut ending = vec![0usize; steps.len() + 1];
+        let mut bytes_in = vec![0u64; steps.len() + 1];
+        let mut bytes_out = vec![0u64; steps.len() + 1];
         for &i in &nonzero {
             let i = i as usize;
-            let lo = steps.partition_point(|&t| t < p.first[i]) as u32;
-            let hi = steps.partition_point(|&t| t <= p.last[i]) as u32;
-            span[i] = (lo, hi);
+            let lo = steps.partition_point(|&t| t < p.first[i]);
+            let hi = steps.partition_point(|&t| t <= p.last[i]);
+            span[i] = (lo as u32, hi as u32);
+            starting[lo] += 1;
+            ending[hi] += 1;
+            bytes_in[lo] += p.sizes[i];
+            bytes_out[hi] += p.sizes[i];
+        }
+        // Allocations live at leaf k that started before it: each pairs with all the ones
+        // starting at k, which also pair among themselves. The bytes live at a leaf peak at
+        // the lower bound.
+        let (mut pairs, mut earlier, mut live, mut peak) = (0usize, 0usize, 0u64, 0u64);
+        for k in 0..steps.len() {
+            earlier -= ending[k];
+            pairs += starting[k] * earlier + starting[k] * starting[k].saturating_sub(1) / 2;
+            earlier += starting[k];
+            live = live - bytes_out[k] + bytes_in[k];
+            peak = peak.max(live);
         }
         let leaves = steps.len().next_power_of_two().max(1);
         Greedy {
             span,
             count: nonzero.len(),
             pairs,
+            lower_bound: peak,
             leaves,
             lists: Lists::new(4 * leaves),
             gathered: Vec::new(),
             offsets: vec![0; p.len()],
         }
+    }
+
+    /// The most bytes live at one time step: [`Problem::lower_bound`], found on the way.
+    pub(crate) fn lower_bound(&self) -> u64 {
+        self.lower_bound
     }
 
     /// The work of one pass measured as in a pairwise planner: pairs of allocations live

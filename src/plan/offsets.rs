@@ -207,10 +207,19 @@ impl Problem {
             sorted(nonzero.iter().map(|&i| (key(i as usize), i)).collect())
         };
         match order {
-            Order::Size => keyed(&|i| {
-                let key = (u128::from(self.sizes[i]) << 64) | u128::from(len(i));
-                (!key, self.first[i], 0)
-            }),
+            // The first order tried: its key is packed into two words, which sort faster.
+            Order::Size => {
+                let mut keyed: Vec<(u128, u128)> = nonzero
+                    .iter()
+                    .map(|&i| {
+                        let i = i as usize;
+                        let key = (u128::from(self.sizes[i]) << 64) | u128::from(len(i));
+                        (!key, (u128::from(self.first[i]) << 32) | i as u128)
+                    })
+                    .collect();
+                keyed.sort_unstable();
+                keyed.into_iter().map(|(_, k)| k as u32).collect()
+            }
             Order::Area => keyed(&|i| {
                 let area = u128::from(self.sizes[i]) * (u128::from(len(i)) + 1);
                 (!area, !self.sizes[i], self.first[i])
@@ -273,9 +282,10 @@ impl Problem {
     /// so dense that they would be slow; stopping early at the lower bound); for small inputs,
     /// then an exact search (with `exhaustive`, every order and a longer search).
     pub(crate) fn best(&self, exhaustive: bool) -> OffsetPlan {
-        let bound = self.lower_bound();
         let nonzero = self.nonzero();
         let mut greedy = Greedy::new(self);
+        let bound = greedy.lower_bound();
+        debug_assert_eq!(bound, self.lower_bound());
         let pass_work = greedy.work();
         // On very dense inputs a greedy pass costs far more than PyTorch's plan, which may
         // already be optimal (nothing freed before the peak, say): try it first there.
