@@ -167,9 +167,10 @@ impl Greedy {
             l >>= 1;
             h >>= 1;
         }
+        // A node's `starts` holds its children's: once one already holds `range`, so do the
+        // rest of the path.
         let mut a = lo;
-        while a >= 1 {
-            self.lists.add(starts(a), range);
+        while a >= 1 && self.lists.add(starts(a), range) {
             a >>= 1;
         }
     }
@@ -182,6 +183,9 @@ fn cover(node: usize) -> usize {
 fn starts(node: usize) -> usize {
     2 * node + 1
 }
+
+/// Room for this many intervals in each list before it moves.
+const SLOT: usize = 4;
 
 /// Many short lists of sorted, disjoint, non-touching half-open byte intervals, kept in one
 /// buffer so that a pass allocates nothing once the buffer has grown: each list has a slot
@@ -200,9 +204,13 @@ impl Lists {
         }
     }
 
+    /// Empties every list, each into a slot of its own of `SLOT` intervals.
     fn clear(&mut self) {
-        self.heads.iter_mut().for_each(|h| *h = (0, 0, 0));
-        self.pool.clear();
+        for (k, h) in self.heads.iter_mut().enumerate() {
+            *h = ((k * SLOT) as u32, 0, SLOT as u32);
+        }
+        self.pool.truncate(self.heads.len() * SLOT);
+        self.pool.resize(self.heads.len() * SLOT, (0, 0));
     }
 
     #[inline]
@@ -212,45 +220,51 @@ impl Lists {
     }
 
     /// Adds `range` to the union `list`, merging it with the intervals it overlaps or touches
-    /// (a zero-byte gap holds nothing, so touching intervals may merge).
-    fn add(&mut self, list: usize, (start, end): (u64, u64)) {
+    /// (a zero-byte gap holds nothing, so touching intervals may merge). Returns whether the
+    /// list changed (false when it already held `range`).
+    #[inline]
+    fn add(&mut self, list: usize, (start, end): (u64, u64)) -> bool {
         let (at, len, cap) = self.heads[list];
         let (at, len) = (at as usize, len as usize);
-        if len as u32 == cap {
+        // Lists are short (a few intervals): linear scans beat binary searches and memmove.
+        let items = &mut self.pool[at..at + len];
+        let first = items.iter().position(|&(_, e)| e >= start).unwrap_or(len);
+        let past = first
+            + items[first..]
+                .iter()
+                .position(|&(s, _)| s > end)
+                .unwrap_or(len - first);
+        if first < past {
+            let held = items[first];
+            if past == first + 1 && held.0 <= start && end <= held.1 {
+                return false;
+            }
+            items[first] = (start.min(held.0), end.max(items[past - 1].1));
+            if past > first + 1 {
+                items.copy_within(past.., first + 1);
+                self.heads[list].1 = (len - (past - first - 1)) as u32;
+            }
+            return true;
+        }
+        let at = if len as u32 == cap {
             // Move the list to the end of the pool with twice the room; its old slot is
             // abandoned until the next pass.
             let moved = self.pool.len();
-            let cap = (2 * cap).max(4);
+            let cap = 2 * cap;
             self.pool.extend_from_within(at..at + len);
             self.pool.resize(moved + cap as usize, (0, 0));
-            self.heads[list] = (moved as u32, len as u32, cap);
-            return self.add(list, (start, end));
-        }
-        // Lists are short (a few intervals): linear scans beat binary searches and memmove.
-        let items = &mut self.pool[at..at + len + 1];
-        let mut first = 0;
-        while first < len && items[first].1 < start {
-            first += 1;
-        }
-        let mut past = first;
-        while past < len && items[past].0 <= end {
-            past += 1;
-        }
-        if first < past {
-            items[first] = (start.min(items[first].0), end.max(items[past - 1].1));
-            let removed = past - first - 1;
-            if removed > 0 {
-                for k in past..len {
-                    items[k - removed] = items[k];
-                }
-                self.heads[list].1 = (len - removed) as u32;
-            }
+            self.heads[list].0 = moved as u32;
+            self.heads[list].2 = cap;
+            moved
         } else {
-            for k in (first..len).rev() {
-                items[k + 1] = items[k];
-            }
-            items[first] = (start, end);
-            self.heads[list].1 = (len + 1) as u32;
+            at
+        };
+        let items = &mut self.pool[at..at + len + 1];
+        for k in (first..len).rev() {
+            items[k + 1] = items[k];
         }
+        items[first] = (start, end);
+        self.heads[list].1 = (len + 1) as u32;
+        true
     }
 }
