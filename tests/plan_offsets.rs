@@ -150,6 +150,27 @@ fn allocations_live_at_the_same_time_are_stacked() {
 }
 
 #[test]
+fn greedy_by_size_places_the_largest_first_then_the_longest_lived() {
+    let allocs = [a(256, 0, 2), a(256, 0, 5), a(128, 0, 5)];
+    assert_eq!(plan(&allocs, "greedy-by-size").offsets, [256, 0, 512]);
+}
+
+#[test]
+fn greedy_by_size_orders_sizes_and_times_too_large_to_pack_in_one_key() {
+    // Sizes of 2^57..2^58 bytes first used at 2^63: the order's key needs more than 128 bits.
+    let t = 1u64 << 63;
+    let allocs = [
+        a(1 << 58, t, t + 2),
+        a(1 << 58, t, t + 1000),
+        a(1 << 57, t, t + 1000),
+    ];
+    assert_eq!(
+        plan(&allocs, "greedy-by-size").offsets,
+        [1 << 58, 0, 1 << 59]
+    );
+}
+
+#[test]
 fn lifetimes_are_inclusive() {
     // Last use at 3 and first use at 3: live together, so they cannot share bytes.
     let together = [a(64, 0, 3), a(64, 3, 5)];

@@ -207,19 +207,9 @@ impl Problem {
             sorted(nonzero.iter().map(|&i| (key(i as usize), i)).collect())
         };
         match order {
-            // The first order tried: its key is packed into two words, which sort faster.
-            Order::Size => {
-                let mut keyed: Vec<(u128, u128)> = nonzero
-                    .iter()
-                    .map(|&i| {
-                        let i = i as usize;
-                        let key = (u128::from(self.sizes[i]) << 64) | u128::from(len(i));
-                        (!key, (u128::from(self.first[i]) << 32) | i as u128)
-                    })
-                    .collect();
-                keyed.sort_unstable();
-                keyed.into_iter().map(|(_, k)| k as u32).collect()
-            }
+            // The first order tried, so its sort matters: keys are packed into one word when
+            // they fit (they do for any realistic trace), else into two.
+            Order::Size => self.size_order(nonzero),
             Order::Area => keyed(&|i| {
                 let area = u128::from(self.sizes[i]) * (u128::from(len(i)) + 1);
                 (!area, !self.sizes[i], self.first[i])
@@ -242,6 +232,53 @@ impl Problem {
                 )
             }
         }
+    }
+
+    /// The nonzero allocations by decreasing size, then decreasing lifetime, then first use
+    /// and index.
+    fn size_order(&self, nonzero: &[u32]) -> Vec<u32> {
+        let len = |i: usize| self.last[i] - self.first[i];
+        let bits = |x: u64| u64::BITS - x.leading_zeros();
+        // Sizes share their alignment's low zero bits.
+        let shift = nonzero
+            .iter()
+            .map(|&i| self.sizes[i as usize].trailing_zeros())
+            .min()
+            .unwrap_or(0);
+        let max = |f: &dyn Fn(usize) -> u64| nonzero.iter().map(|&i| f(i as usize)).max();
+        let max_size = max(&|i| self.sizes[i] >> shift).unwrap_or(0);
+        let max_len = max(&len).unwrap_or(0);
+        let max_first = max(&|i| self.first[i]).unwrap_or(0);
+        let (sb, lb, fb, ib) = (
+            bits(max_size),
+            bits(max_len),
+            bits(max_first),
+            bits(self.len() as u64),
+        );
+        if sb + lb + fb + ib <= u128::BITS {
+            let mut keys: Vec<u128> = nonzero
+                .iter()
+                .map(|&i| {
+                    let k = i as usize;
+                    let size = u128::from(max_size - (self.sizes[k] >> shift));
+                    let len = u128::from(max_len - len(k));
+                    (((size << lb | len) << fb | u128::from(self.first[k])) << ib) | u128::from(i)
+                })
+                .collect();
+            keys.sort_unstable();
+            let index_mask = (1u128 << ib) - 1;
+            return keys.into_iter().map(|k| (k & index_mask) as u32).collect();
+        }
+        let mut keyed: Vec<(u128, u128)> = nonzero
+            .iter()
+            .map(|&i| {
+                let i = i as usize;
+                let key = (u128::from(self.sizes[i]) << 64) | u128::from(len(i));
+                (!key, (u128::from(self.first[i]) << 32) | i as u128)
+            })
+            .collect();
+        keyed.sort_unstable();
+        keyed.into_iter().map(|(_, k)| k as u32).collect()
     }
 
     /// For each allocation, the most bytes live at one time step of its lifetime, and the
