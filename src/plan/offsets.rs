@@ -14,8 +14,9 @@ const BEST_SEARCH_LIMIT: usize = 14;
 const BEST_SEARCH_NODES: u64 = 2_000;
 /// Search nodes the `Exact` algorithm may visit (about a second).
 const EXACT_SEARCH_NODES: u64 = 1_000_000;
-/// Work (placed-neighbour visits) `Best` spends on greedy orders after the first: each pass
-/// visits every allocation's conflicts, so dense inputs get fewer extra orders and stay fast.
+/// Work `Best` spends on greedy orders after the first, counted as pairs of allocations live
+/// together (plus allocations) per pass: dense inputs, where a layout's free gaps are many and
+/// a pass slower, get fewer extra orders and stay fast.
 const BEST_GREEDY_WORK: usize = 4_000_000;
 
 /// Which allocation the greedy planner places first.
