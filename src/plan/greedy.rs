@@ -222,7 +222,7 @@ impl Lists {
     /// Adds `range` to the union `list`, merging it with the intervals it overlaps or touches
     /// (a zero-byte gap holds nothing, so touching intervals may merge). Returns whether the
     /// list changed (false when it already held `range`).
-    #[inline]
+    #[inline(always)]
     fn add(&mut self, list: usize, (start, end): (u64, u64)) -> bool {
         let (at, len, cap) = self.heads[list];
         let (at, len) = (at as usize, len as usize);
