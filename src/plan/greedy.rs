@@ -191,8 +191,9 @@ const SLOT: usize = 4;
 /// buffer so that a pass allocates nothing once the buffer has grown: each list has a slot
 /// in the buffer, moved to the buffer's end with twice the room when it fills.
 struct Lists {
-    /// Per list: where its slot starts in `pool`, its length and its slot's capacity.
-    heads: Vec<(u32, u32, u32)>,
+    /// Per list: where its slot starts in `pool`, its length and its slot's capacity. A list
+    /// holds at most one interval per allocation, so lengths fit 32 bits.
+    heads: Vec<(usize, u32, u32)>,
     pool: Vec<(u64, u64)>,
 }
 
@@ -207,7 +208,7 @@ impl Lists {
     /// Empties every list, each into a slot of its own of `SLOT` intervals.
     fn clear(&mut self) {
         for (k, h) in self.heads.iter_mut().enumerate() {
-            *h = ((k * SLOT) as u32, 0, SLOT as u32);
+            *h = (k * SLOT, 0, SLOT as u32);
         }
         self.pool.truncate(self.heads.len() * SLOT);
         self.pool.resize(self.heads.len() * SLOT, (0, 0));
@@ -216,7 +217,7 @@ impl Lists {
     #[inline]
     fn get(&self, list: usize) -> &[(u64, u64)] {
         let (at, len, _) = self.heads[list];
-        &self.pool[at as usize..(at + len) as usize]
+        &self.pool[at..at + len as usize]
     }
 
     /// Adds `range` to the union `list`, merging it with the intervals it overlaps or touches
@@ -225,7 +226,7 @@ impl Lists {
     #[inline(always)]
     fn add(&mut self, list: usize, (start, end): (u64, u64)) -> bool {
         let (at, len, cap) = self.heads[list];
-        let (at, len) = (at as usize, len as usize);
+        let len = len as usize;
         // Lists are short (a few intervals): linear scans beat binary searches and memmove.
         let items = &mut self.pool[at..at + len];
         let first = items.iter().position(|&(_, e)| e >= start).unwrap_or(len);
@@ -250,10 +251,10 @@ impl Lists {
             // Move the list to the end of the pool with twice the room; its old slot is
             // abandoned until the next pass.
             let moved = self.pool.len();
-            let cap = 2 * cap;
+            let cap = cap.saturating_mul(2);
             self.pool.extend_from_within(at..at + len);
             self.pool.resize(moved + cap as usize, (0, 0));
-            self.heads[list].0 = moved as u32;
+            self.heads[list].0 = moved;
             self.heads[list].2 = cap;
             moved
         } else {
