@@ -24,7 +24,7 @@ pub(crate) struct Greedy {
     /// Pairs of allocations live together.
     pairs: usize,
     lower_bound: u64,
-    /// Leaves of the segment tree (a power of two, at least the number of distinct first uses).
+    /// Leaves of the segment tree: one per distinct first use. Leaf `k` is node `leaves + k`.
     leaves: usize,
     /// Per node: union of the byte ranges of placed allocations covering the node's leaves
     /// (list `2 * node`) and of those starting at one of them (list `2 * node + 1`).
@@ -68,7 +68,10 @@ impl Greedy {
             live = live - bytes_out[k] + bytes_in[k];
             peak = peak.max(live);
         }
-        let leaves = steps.len().next_power_of_two().max(1);
+        // Any number of leaves makes a tree when nodes are numbered from 1 and node k's
+        // children are 2k and 2k + 1: every node then holds its descendant leaves, and the
+        // bottom-up walk splits a range of leaves into disjoint nodes.
+        let leaves = steps.len().max(1);
         Greedy {
             span,
             count: nonzero.len(),
