@@ -7,9 +7,11 @@
 
 mod cuda_support;
 
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
-use cuda_support::{cu, hold_stream, load_fake, pointer_device, release_stream, thread_counter};
+use cuda_support::{
+    cu, cuda_driver, hold_stream, on_new_thread, pointer_device, release_stream, thread_counter,
+};
 use tensoralloc::config::Config;
 use tensoralloc::device::DeviceAllocator;
 use tensoralloc::driver::cuda::CudaDriver;
@@ -19,23 +21,12 @@ use tensoralloc::Error;
 const MIB: usize = 1 << 20;
 
 fn driver() -> Arc<CudaDriver> {
-    static DRIVER: OnceLock<Arc<CudaDriver>> = OnceLock::new();
-    DRIVER
-        .get_or_init(|| {
-            load_fake();
-            Arc::new(CudaDriver::load().expect("the backend loads the fake driver"))
-        })
-        .clone()
+    cuda_driver()
 }
 
 /// A fresh allocator for `device` on the CUDA backend.
 fn allocator(device: usize) -> DeviceAllocator {
     DeviceAllocator::new(driver(), device, &Config::default()).unwrap()
-}
-
-/// Runs `f` on a fresh thread, whose call counters start at zero.
-fn on_new_thread<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
-    std::thread::spawn(f).join().expect("test thread")
 }
 
 /// Every driver call the fake counts, on the calling thread.

@@ -5,26 +5,15 @@
 
 mod cuda_support;
 
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
-use cuda_support::{hold_stream, load_fake, release_stream, thread_counter};
+use cuda_support::{cuda_driver, hold_stream, on_new_thread, release_stream, thread_counter};
 use tensoralloc::config::Config;
 use tensoralloc::driver::cuda::CudaDriver;
 use tensoralloc::host::HostAllocator;
 
 fn driver() -> Arc<CudaDriver> {
-    static DRIVER: OnceLock<Arc<CudaDriver>> = OnceLock::new();
-    DRIVER
-        .get_or_init(|| {
-            load_fake();
-            Arc::new(CudaDriver::load().expect("the backend loads the fake driver"))
-        })
-        .clone()
-}
-
-/// Runs `f` on a fresh thread, whose call counters start at zero.
-fn on_new_thread<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
-    std::thread::spawn(f).join().expect("test thread")
+    cuda_driver()
 }
 
 #[test]

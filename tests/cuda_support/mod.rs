@@ -9,7 +9,9 @@
 
 use std::ffi::{c_char, c_int, c_void, CString};
 use std::path::PathBuf;
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
+
+use tensoralloc::driver::cuda::CudaDriver;
 
 /// Where the fake driver library is: `$FAKECUDA_LIB`, or `libfakecuda.so` next to the
 /// test's own profile directory (`target/debug/libfakecuda.so` for `target/debug/deps/...`).
@@ -175,4 +177,20 @@ pub mod cu {
         assert_eq!(r, SUCCESS, "cuStreamCreate");
         s as usize
     }
+}
+
+/// The NVIDIA backend loaded over the fake driver, shared by the tests of one process.
+pub fn cuda_driver() -> Arc<CudaDriver> {
+    static DRIVER: OnceLock<Arc<CudaDriver>> = OnceLock::new();
+    DRIVER
+        .get_or_init(|| {
+            load_fake();
+            Arc::new(CudaDriver::load().expect("the backend loads the fake driver"))
+        })
+        .clone()
+}
+
+/// Runs `f` on a fresh thread, whose call counters (`thread_counter`) start at zero.
+pub fn on_new_thread<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+    std::thread::spawn(f).join().expect("test thread")
 }
