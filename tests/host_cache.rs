@@ -1,6 +1,10 @@
 //! The pinned-host cache: rounding, reuse, best fit, empty_cache and statistics, in both
 //! pinning modes (driver allocation and registration of ordinary pages).
 
+mod host_support;
+
+use host_support::setup;
+
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
@@ -8,17 +12,6 @@ use tensoralloc::config::Config;
 use tensoralloc::driver::sim::SimDriver;
 use tensoralloc::host::HostAllocator;
 use tensoralloc::Error;
-
-/// A fresh simulated driver and an allocator over it; `register` picks the pinning mode.
-fn setup(register: bool) -> (Arc<SimDriver>, HostAllocator) {
-    let sim = SimDriver::shared(1, 1 << 30).unwrap();
-    let config = Config {
-        pinned_use_host_register: register,
-        ..Config::default()
-    };
-    let host = HostAllocator::new(sim.clone(), &config);
-    (sim, host)
-}
 
 /// Driver pinning calls so far: allocations (or registrations) and frees (or unregistrations).
 fn pins(sim: &SimDriver) -> (u64, u64) {

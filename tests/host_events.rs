@@ -3,22 +3,13 @@
 //!
 //! Simulated streams are process-wide, so every test uses its own stream numbers.
 
+mod host_support;
+
+use host_support::setup;
+
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
 
-use tensoralloc::config::Config;
 use tensoralloc::driver::sim::{self, SimDriver};
-use tensoralloc::host::HostAllocator;
-
-fn setup(register: bool) -> (Arc<SimDriver>, HostAllocator) {
-    let sim = SimDriver::shared(1, 1 << 30).unwrap();
-    let config = Config {
-        pinned_use_host_register: register,
-        ..Config::default()
-    };
-    let host = HostAllocator::new(sim.clone(), &config);
-    (sim, host)
-}
 
 fn events_created(sim: &SimDriver) -> u64 {
     sim.counters.events_created.load(Ordering::Relaxed)

@@ -1,22 +1,16 @@
 //! Many threads on one pinned-host allocator: no block is ever handed to two holders, frees
 //! from other threads land correctly, and the statistics add up afterwards.
 
+mod host_support;
+
+use host_support::setup;
+
 use std::collections::HashSet;
 use std::sync::atomic::Ordering;
-use std::sync::{mpsc, Arc, Mutex};
+use std::sync::{mpsc, Mutex};
 
-use tensoralloc::config::Config;
-use tensoralloc::driver::sim::{self, SimDriver};
-use tensoralloc::host::{HostAllocator, HostBlock};
-
-fn setup(register: bool) -> (Arc<SimDriver>, HostAllocator) {
-    let sim = SimDriver::shared(1, 1 << 30).unwrap();
-    let config = Config {
-        pinned_use_host_register: register,
-        ..Config::default()
-    };
-    (sim.clone(), HostAllocator::new(sim, &config))
-}
+use tensoralloc::driver::sim::{self};
+use tensoralloc::host::HostBlock;
 
 #[test]
 fn many_threads_never_share_a_live_block() {

@@ -4,8 +4,6 @@
 //! GPU ([`cuda`], the NVIDIA driver API through cudarc), on the simulated device ([`sim`]), or
 //! inside a replayed trace.
 
-use std::sync::Arc;
-
 use crate::error::{Error, Result};
 
 pub mod cuda;
@@ -99,13 +97,5 @@ impl Backend {
                 ))),
             },
         }
-    }
-}
-
-/// Builds the driver that the environment selects.
-pub fn from_env() -> Result<Arc<dyn Driver>> {
-    match Backend::from_env()? {
-        Backend::Sim => Ok(Arc::new(sim::SimDriver::from_env()?)),
-        Backend::Cuda => Ok(Arc::new(cuda::CudaDriver::load()?)),
     }
 }
