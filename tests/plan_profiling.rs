@@ -67,6 +67,18 @@ const ITERATION: [Step; 8] = [
     Free(4),
 ];
 
+/// [`ITERATION`] with allocation 1 freed only after allocation 3 is made.
+const LATE_FREE: [Step; 8] = [
+    Malloc(1, 1000),
+    Malloc(2, 4000),
+    Malloc(3, 1000),
+    Free(1),
+    Malloc(4, 64),
+    Free(3),
+    Free(2),
+    Free(4),
+];
+
 fn planned() -> Profiler {
     let mut p = profiler();
     p.begin_recording().unwrap();
@@ -118,17 +130,7 @@ fn another_size_fails_validation() {
 fn a_free_at_another_point_fails_validation() {
     let mut p = planned();
     p.begin_validating().unwrap();
-    let changed = [
-        Malloc(1, 1000),
-        Malloc(2, 4000),
-        Malloc(3, 1000),
-        Free(1),
-        Malloc(4, 64),
-        Free(3),
-        Free(2),
-        Free(4),
-    ];
-    run(&mut p, &changed);
+    run(&mut p, &LATE_FREE);
     assert!(!p.end_validating().unwrap());
 }
 
@@ -173,17 +175,7 @@ fn a_late_free_does_not_let_a_planned_allocation_overlap_a_live_one() {
     // it must come from elsewhere while 1 still holds them.
     let mut p = planned();
     p.begin_serving().unwrap();
-    let late = [
-        Malloc(1, 1000),
-        Malloc(2, 4000),
-        Malloc(3, 1000),
-        Free(1),
-        Malloc(4, 64),
-        Free(3),
-        Free(2),
-        Free(4),
-    ];
-    let addrs = run(&mut p, &late);
+    let addrs = run(&mut p, &LATE_FREE);
     p.end_serving().unwrap();
     assert_ne!(addrs[0], addrs[2]);
     let s = p.stats();
