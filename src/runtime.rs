@@ -9,6 +9,7 @@ use crate::config::Config;
 use crate::device::DeviceAllocator;
 use crate::driver::{cuda::CudaDriver, sim::SimDriver, Backend, Driver};
 use crate::error::{Error, Result};
+use crate::host::HostAllocator;
 
 /// Process-wide state.
 pub struct Runtime {
@@ -17,6 +18,7 @@ pub struct Runtime {
     cuda: Option<Arc<CudaDriver>>,
     config: Config,
     devices: Box<[OnceCell<DeviceAllocator>]>,
+    host: OnceCell<HostAllocator>,
 }
 
 static RUNTIME: OnceCell<std::result::Result<Runtime, Error>> = OnceCell::new();
@@ -55,6 +57,7 @@ impl Runtime {
             cuda,
             config,
             devices: (0..count).map(|_| OnceCell::new()).collect(),
+            host: OnceCell::new(),
         })
     }
 
@@ -95,6 +98,13 @@ impl Runtime {
             None => cell
                 .get_or_try_init(|| DeviceAllocator::new(self.driver.clone(), index, &self.config)),
         }
+    }
+
+    /// The pinned-host allocator, made on first use.
+    #[inline]
+    pub fn host(&self) -> &HostAllocator {
+        self.host
+            .get_or_init(|| HostAllocator::new(self.driver.clone(), &self.config))
     }
 
     /// The allocator of a device index given by a C caller (an `int`).

@@ -10,8 +10,6 @@
 
 use std::ffi::c_void;
 
-use once_cell::sync::OnceCell;
-
 use super::{fail, ffi_boundary, stream_id, tensoralloc_status, CUstream_st, TENSORALLOC_OK};
 use crate::error::{Error, Result};
 use crate::host::{HostAllocator, HostStats};
@@ -80,16 +78,10 @@ impl From<HostStats> for tensoralloc_host_stats {
     }
 }
 
-static HOST: OnceCell<HostAllocator> = OnceCell::new();
-
 /// The process-wide pinned-host allocator.
 #[inline]
 fn host() -> Result<&'static HostAllocator> {
-    if let Some(h) = HOST.get() {
-        return Ok(h);
-    }
-    let rt = Runtime::get()?;
-    Ok(HOST.get_or_init(|| HostAllocator::new(rt.driver().clone(), rt.config())))
+    Runtime::get().map(Runtime::host)
 }
 
 fn ctx_arg(ctx: *mut c_void) -> Option<usize> {
