@@ -71,7 +71,7 @@ fn populate_device(streams: [usize; 4]) {
         let p = tensoralloc_malloc(size, 0, stream(s));
         assert!(!p.is_null());
         live.push(Some((p, size, s)));
-        if (r >> 16) % 3 == 0 {
+        if (r >> 16).is_multiple_of(3) {
             let j = (r >> 20) as usize % (i + 1);
             if let Some((p, size, s)) = live[j].take() {
                 tensoralloc_free(p, size, 0, stream(s));

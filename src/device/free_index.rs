@@ -81,14 +81,17 @@ fn bin_of(size: usize) -> Option<usize> {
     (size.is_multiple_of(STEP) && (STEP..=BINNED_MAX).contains(&size)).then(|| size / STEP - 1)
 }
 
+/// The bins of 64 consecutive sizes: (address, id), highest first.
+type Group = [Vec<(usize, u32)>; 64];
+
 /// One list of blocks per binned size, with a bitmap of the lists that are not empty.
 struct Bins {
     /// Bit `g`: `used[g]` is not 0.
     groups: u64,
     /// Bit `b` of `used[g]`: bin `64 * g + b` is not empty.
     used: [u64; 64],
-    /// Bins of 64 consecutive sizes, made when first used: (address, id), highest first.
-    lists: [Option<Box<[Vec<(usize, u32)>; 64]>>; 64],
+    /// Groups of bins, made when first used.
+    lists: [Option<Box<Group>>; 64],
 }
 
 impl Default for Bins {
