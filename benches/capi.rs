@@ -10,8 +10,9 @@
 //!   thread does one pair before the measured region (the first use of a stream makes its
 //!   shard and takes a segment from the driver), so the region holds cached pairs only.
 //!   Time is the wall time for every thread to do one pair; throughput counts pairs of all
-//!   threads, so scaling is the throughput ratio to N = 1;
-//! - `capi_host_pair/*` and `capi_host_threads/N`: the same for `tensoralloc_host_malloc` /
+//!   threads, so scaling is the throughput ratio to N = 1. `capi_device_threads_cpu/N` is
+//!   each thread's CPU time per pair in the same run: flat in N when threads share nothing;
+//! - `capi_host_pair/*` and `capi_host_threads[_cpu]/N`: the same for `tensoralloc_host_malloc` /
 //!   `tensoralloc_host_free`, after four threads churned blocks of mixed sizes.
 //!
 //! Run with `cargo bench --bench capi`; `cargo bench --bench capi -- host` runs only the
@@ -106,9 +107,20 @@ fn populate_host() {
     });
 }
 
-/// Wall time for `threads` threads to each do `iters` calls of `work(thread)`, after one
-/// unmeasured call each.
-fn in_threads(threads: usize, iters: u64, work: fn(usize)) -> Duration {
+/// CPU time consumed by the calling thread.
+fn thread_cpu() -> Duration {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid timespec to write to.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
+}
+
+/// Runs `iters` calls of `work(thread)` on each of `threads` threads started together, after
+/// one unmeasured call each. Returns the wall time and the threads' mean CPU time.
+fn in_threads(threads: usize, iters: u64, work: fn(usize)) -> (Duration, Duration) {
     let start = Arc::new(Barrier::new(threads + 1));
     let done = Arc::new(Barrier::new(threads + 1));
     let handles: Vec<_> = (0..threads)
@@ -117,10 +129,13 @@ fn in_threads(threads: usize, iters: u64, work: fn(usize)) -> Duration {
             std::thread::spawn(move || {
                 work(t);
                 start.wait();
+                let t0 = thread_cpu();
                 for _ in 0..iters {
                     work(t);
                 }
+                let cpu = thread_cpu() - t0;
                 done.wait();
+                cpu
             })
         })
         .collect();
@@ -128,10 +143,31 @@ fn in_threads(threads: usize, iters: u64, work: fn(usize)) -> Duration {
     let t0 = Instant::now();
     done.wait();
     let took = t0.elapsed();
-    for h in handles {
-        h.join().unwrap();
+    let cpu: Duration = handles.into_iter().map(|h| h.join().unwrap()).sum();
+    (took, cpu / threads as u32)
+}
+
+/// `<group>/N`: wall time, so the throughput ratio to N = 1 is the scaling; and
+/// `<group>_cpu/N`: each thread's CPU time per pair, which stays flat with N when threads
+/// share no lock or written cache line (on a machine busy with other work, where wall time
+/// also counts time the threads were not running, this is the figure to read).
+fn thread_groups(c: &mut Criterion, group: &str, work: fn(usize)) {
+    let mut g = c.benchmark_group(group);
+    for n in [1usize, 2, 4] {
+        g.throughput(Throughput::Elements(n as u64));
+        g.bench_with_input(BenchmarkId::from_parameter(n), &n, |b, &n| {
+            b.iter_custom(|iters| in_threads(n, iters, work).0)
+        });
     }
-    took
+    g.finish();
+    let mut g = c.benchmark_group(format!("{group}_cpu"));
+    g.throughput(Throughput::Elements(1));
+    for n in [1usize, 2, 4] {
+        g.bench_with_input(BenchmarkId::from_parameter(n), &n, |b, &n| {
+            b.iter_custom(|iters| in_threads(n, iters, work).1)
+        });
+    }
+    g.finish();
 }
 
 fn device(c: &mut Criterion) {
@@ -154,14 +190,7 @@ fn device(c: &mut Criterion) {
     });
     g.finish();
 
-    let mut g = c.benchmark_group("capi_device_threads");
-    for n in [1usize, 2, 4] {
-        g.throughput(Throughput::Elements(n as u64));
-        g.bench_with_input(BenchmarkId::from_parameter(n), &n, |b, &n| {
-            b.iter_custom(|iters| in_threads(n, iters, |t| device_pair(stream(20 + t))))
-        });
-    }
-    g.finish();
+    thread_groups(c, "capi_device_threads", |t| device_pair(stream(20 + t)));
 }
 
 fn host(c: &mut Criterion) {
@@ -172,14 +201,7 @@ fn host(c: &mut Criterion) {
     g.throughput(Throughput::Elements(1));
     g.bench_function("cached_4KiB", |b| b.iter(host_pair));
     g.finish();
-    let mut g = c.benchmark_group("capi_host_threads");
-    for n in [1usize, 2, 4] {
-        g.throughput(Throughput::Elements(n as u64));
-        g.bench_with_input(BenchmarkId::from_parameter(n), &n, |b, &n| {
-            b.iter_custom(|iters| in_threads(n, iters, |_| host_pair()))
-        });
-    }
-    g.finish();
+    thread_groups(c, "capi_host_threads", |_| host_pair());
 }
 
 criterion_group! {
