@@ -20,7 +20,7 @@ failed=0
 for src in c_examples/*.c; do
   name=$(basename "$src" .c)
   "$cc" -std=c99 -Wall -Wextra -Werror -O1 -Iinclude "$src" -o "$out/$name" \
-    -L"$lib" -ltensoralloc -lpthread -Wl,-rpath,"$lib"
+    -L"$lib" -ltensoralloc -lpthread -ldl -Wl,-rpath,"$lib"
   echo "== $name"
   if "$out/$name"; then echo "-- $name: ok"; else echo "-- $name: FAILED"; failed=1; fi
 done
