@@ -6,7 +6,7 @@
  * thread and returns it (other threads call cuCtxSetCurrent with it).
  *
  * With TENSORALLOC_DRIVER=sim there is no driver: tensoralloc runs on its simulated device,
- * whose memory lives in the host, and the calls below act on that instead. */
+ * whose memory lives in the host, and the calls below act on that instead. C99 or C++. */
 #ifndef TENSORALLOC_EXAMPLE_CUDA_SHIM_H
 #define TENSORALLOC_EXAMPLE_CUDA_SHIM_H
 
@@ -54,7 +54,7 @@ static CUresult sim_init(unsigned int f) { (void)f; return 0; }
 static CUresult sim_device_get(CUdevice *d, int ordinal) { *d = ordinal; return 0; }
 static CUresult sim_ctx_retain(CUcontext *c, CUdevice d) { (void)d; *c = NULL; return 0; }
 static CUresult sim_ctx_set(CUcontext c) { (void)c; return 0; }
-static CUresult sim_stream_create(CUstream *s, unsigned int f) { (void)f; *s = malloc(1); return *s ? 0 : 2; }
+static CUresult sim_stream_create(CUstream *s, unsigned int f) { (void)f; *s = (CUstream)malloc(1); return *s ? 0 : 2; }
 static CUresult sim_stream_destroy(CUstream s) { free(s); return 0; }
 static CUresult sim_stream_sync(CUstream s) { (void)s; return 0; }
 static CUresult sim_memset(CUdeviceptr d, unsigned char v, size_t n, CUstream s) {
@@ -73,15 +73,16 @@ static void sim_use(void) {
 }
 /* --- end of the simulated device ------------------------------------------------------- */
 
-/* Looks up a driver function by its exported name (cuda.h maps some names to a _v2 symbol). */
-static void *cuda_symbol(void *lib, const char *name) {
-    void *f = dlsym(lib, name);
-    if (!f) {
-        fprintf(stderr, "libcuda.so.1 has no %s\n", name);
-        exit(1);
-    }
-    return f;
-}
+/* Sets `fn` to the driver's function `symbol` (cuda.h maps some names to a _v2 symbol). */
+#define CUDA_LOAD(fn, symbol)                                                 \
+    do {                                                                      \
+        void *f_ = dlsym(lib, symbol);                                        \
+        if (!f_) {                                                            \
+            fprintf(stderr, "libcuda.so.1 has no %s\n", symbol);              \
+            exit(1);                                                          \
+        }                                                                     \
+        memcpy(&(fn), &f_, sizeof f_);                                        \
+    } while (0)
 
 static CUcontext cuda_start(void) {
     const char *driver = getenv("TENSORALLOC_DRIVER");
@@ -94,16 +95,16 @@ static CUcontext cuda_start(void) {
                             "the simulated device\n", dlerror());
             exit(1);
         }
-        cuInit = cuda_symbol(lib, "cuInit");
-        cuDeviceGet = cuda_symbol(lib, "cuDeviceGet");
-        cuDevicePrimaryCtxRetain = cuda_symbol(lib, "cuDevicePrimaryCtxRetain");
-        cuCtxSetCurrent = cuda_symbol(lib, "cuCtxSetCurrent");
-        cuStreamCreate = cuda_symbol(lib, "cuStreamCreate");
-        cuStreamDestroy = cuda_symbol(lib, "cuStreamDestroy_v2");
-        cuStreamSynchronize = cuda_symbol(lib, "cuStreamSynchronize");
-        *(void **)&cuMemsetD8Async = cuda_symbol(lib, "cuMemsetD8Async");
-        cuMemcpyDtoHAsync = cuda_symbol(lib, "cuMemcpyDtoHAsync_v2");
-        cuGetErrorName = cuda_symbol(lib, "cuGetErrorName");
+        CUDA_LOAD(cuInit, "cuInit");
+        CUDA_LOAD(cuDeviceGet, "cuDeviceGet");
+        CUDA_LOAD(cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain");
+        CUDA_LOAD(cuCtxSetCurrent, "cuCtxSetCurrent");
+        CUDA_LOAD(cuStreamCreate, "cuStreamCreate");
+        CUDA_LOAD(cuStreamDestroy, "cuStreamDestroy_v2");
+        CUDA_LOAD(cuStreamSynchronize, "cuStreamSynchronize");
+        CUDA_LOAD(cuMemsetD8Async, "cuMemsetD8Async");
+        CUDA_LOAD(cuMemcpyDtoHAsync, "cuMemcpyDtoHAsync_v2");
+        CUDA_LOAD(cuGetErrorName, "cuGetErrorName");
     }
     CUdevice device;
     CUcontext ctx;
