@@ -9,16 +9,18 @@
 
 use std::ffi::{c_uchar, c_void};
 
+use crate::guard;
 use crate::state::Fake;
 use crate::types::*;
-use crate::guard;
 
 /// The host address of `[ptr, ptr + len)` after checking that one live `cuMemAlloc`
 /// allocation covers it, and that a context is current (the driver needs one for copies).
 fn device_range(ptr: CUdeviceptr, len: usize) -> Result<*mut u8, CUresult> {
     let fake = Fake::get()?;
     fake.current_device()?;
-    let end = ptr.checked_add(len as u64).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+    let end = ptr
+        .checked_add(len as u64)
+        .ok_or(CUDA_ERROR_INVALID_VALUE)?;
     let covered = fake
         .allocations
         .lock()
