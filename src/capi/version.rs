@@ -14,8 +14,8 @@ pub const TENSORALLOC_VERSION_PATCH: c_int = 0;
 
 /// The loaded library's version as a NUL-terminated string, `"MAJOR.MINOR.PATCH"` (for example
 /// `"0.1.0"`). The string is static: the caller must not free or modify it, and it stays valid
-/// for the life of the process. Never NULL, never fails; the library's shared-object name
-/// (`libtensoralloc.so.MAJOR`) carries the same major version.
+/// for the life of the process. Never NULL, never fails; an installed library's SONAME
+/// (`libtensoralloc.so.MAJOR`, see `scripts/install`) carries the same major version.
 #[no_mangle]
 pub extern "C" fn tensoralloc_version() -> *const c_char {
     ffi_boundary! {
