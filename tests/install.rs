@@ -75,8 +75,18 @@ fn tool(tool: &str, package: &str) -> PathBuf {
     bin.join(tool)
 }
 
-/// Runs the built C++ example and checks what it reports.
-fn run_example(exe: &Path) {
+/// Checks that the built C++ example needs the library by its SONAME and finds it in the
+/// install, then runs it.
+fn check_example(exe: &Path) {
+    let dynamic = needed_libraries(exe);
+    assert!(
+        dynamic.contains(&format!("Shared library: [libtensoralloc.so.{MAJOR}]")),
+        "{dynamic}"
+    );
+    assert!(
+        dynamic.contains(&prefix().join("lib").display().to_string()),
+        "the executable should find the installed library:\n{dynamic}"
+    );
     let text = run(with_driver(&mut Command::new(exe)), "the C++ example");
     assert!(
         text.contains(&format!("tensoralloc {VERSION}\n")),
@@ -138,17 +148,7 @@ fn the_cpp_example_builds_with_cmake_against_the_install() {
         Command::new(&cmake).arg("--build").arg(&build),
         "cmake --build",
     );
-    let exe = build.join("device_buffer");
-    let dynamic = needed_libraries(&exe);
-    assert!(
-        dynamic.contains(&format!("Shared library: [libtensoralloc.so.{MAJOR}]")),
-        "{dynamic}"
-    );
-    assert!(
-        dynamic.contains(&prefix().join("lib").display().to_string()),
-        "the executable should find the installed library:\n{dynamic}"
-    );
-    run_example(&exe);
+    check_example(&build.join("device_buffer"));
 }
 
 #[test]
@@ -166,13 +166,7 @@ fn the_cpp_example_builds_with_pkg_config_and_make_against_the_install() {
             .env_remove("PKG_CONFIG_PATH"),
         "make with pkg-config",
     );
-    let exe = build.join("device_buffer");
-    let dynamic = needed_libraries(&exe);
-    assert!(
-        dynamic.contains(&format!("Shared library: [libtensoralloc.so.{MAJOR}]")),
-        "{dynamic}"
-    );
-    run_example(&exe);
+    check_example(&build.join("device_buffer"));
 }
 
 #[test]

@@ -54,10 +54,16 @@ int main() {
         CU(cuStreamSynchronize(d.stream));
         std::printf("8 buffers on 2 streams, %lld live allocations, last buffer holds %d\n", allocations_now(),
                     last);
-        if (allocations_now() != 8 || last != 7) return 1;
+        if (allocations_now() != 8 || last != 7) {
+            std::fprintf(stderr, "expected 8 live allocations and a last buffer holding 7\n");
+            return 1;
+        }
     } // every buffer is freed here, to its own stream
     std::printf("after scope: %lld live allocations\n", allocations_now());
-    if (allocations_now() != 0) return 1;
+    if (allocations_now() != 0) {
+        std::fprintf(stderr, "the buffers were not freed\n");
+        return 1;
+    }
     tensoralloc_empty_cache();
     for (CUstream s : streams) CU(cuStreamDestroy(s));
     return 0;
