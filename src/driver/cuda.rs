@@ -391,15 +391,20 @@ impl CudaDriver {
         Ok(f(device as std::ffi::c_int))
     }
 
+    /// Calls the fake driver's control `int name(CUstream)`. Fails on a real driver.
+    fn fake_stream_control(&self, name: &str, stream: Stream) -> Result<std::ffi::c_int> {
+        let f = self
+            .fake_control(name)
+            .ok_or_else(|| Self::not_fake("simulated graph capture"))?;
+        // SAFETY: the fake exports the capture controls as `int name(CUstream)`.
+        let f: extern "C" fn(sys::CUstream) -> std::ffi::c_int = unsafe { std::mem::transmute(f) };
+        Ok(f(stream as sys::CUstream))
+    }
+
     /// On the fake driver of the test suite: begins capturing `stream` into a graph for the
     /// calling thread. Fails on a real driver.
     pub fn fake_begin_capture(&self, stream: Stream) -> Result<()> {
-        let f = self
-            .fake_control("fakecuda_begin_capture")
-            .ok_or_else(|| Self::not_fake("simulated graph capture"))?;
-        // SAFETY: the fake exports `int fakecuda_begin_capture(CUstream)`.
-        let f: extern "C" fn(sys::CUstream) -> std::ffi::c_int = unsafe { std::mem::transmute(f) };
-        match f(stream as sys::CUstream) {
+        match self.fake_stream_control("fakecuda_begin_capture", stream)? {
             0 => Ok(()),
             _ => Err(Error::InvalidArgument(format!(
                 "stream {stream:#x} is already capturing"
@@ -410,12 +415,7 @@ impl CudaDriver {
     /// On the fake driver of the test suite: ends the capture of `stream`; fails when it was
     /// not capturing or the capture was invalidated. Fails on a real driver.
     pub fn fake_end_capture(&self, stream: Stream) -> Result<()> {
-        let f = self
-            .fake_control("fakecuda_end_capture")
-            .ok_or_else(|| Self::not_fake("simulated graph capture"))?;
-        // SAFETY: the fake exports `int fakecuda_end_capture(CUstream)`.
-        let f: extern "C" fn(sys::CUstream) -> std::ffi::c_int = unsafe { std::mem::transmute(f) };
-        match f(stream as sys::CUstream) {
+        match self.fake_stream_control("fakecuda_end_capture", stream)? {
             0 => Ok(()),
             1 => Err(Error::Driver(format!(
                 "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED: the capture of stream {stream:#x} was invalidated"
