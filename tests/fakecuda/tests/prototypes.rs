@@ -13,12 +13,8 @@ use std::fmt::Write as _;
 use std::path::PathBuf;
 use std::process::Command;
 
+use fakecuda::all_exports;
 use fakecuda::types::{FIELD_OFFSETS, TYPE_SIZES};
-
-/// Every exported driver function, from each module that defines some.
-fn exports() -> impl Iterator<Item = &'static (&'static str, &'static [&'static str])> {
-    fakecuda::EXPORTS.iter().chain(fakecuda::memops::EXPORTS)
-}
 
 /// NVIDIA's header directory: `$CUDA_INCLUDE_DIR`, else the workspace's `target/cuda-include`,
 /// which `scripts/fetch-cuda-headers` fills from the `nvidia-cuda-runtime` wheel.
@@ -59,6 +55,7 @@ fn c_type(rust: &str) -> String {
         "c_ulonglong" => "unsigned long long",
         "c_char" => "char",
         "c_void" => "void",
+        "cuuint64_t" => "cuuint64_t",
         // The fake's own types carry cuda.h's names.
         name => {
             assert!(
@@ -96,7 +93,7 @@ fn check_source() -> String {
         .unwrap();
     }
     c.push_str("\nvoid fakecuda_prototypes(void);\nvoid fakecuda_prototypes(void) {\n");
-    for (name, params) in exports() {
+    for (name, params) in all_exports() {
         let params = if params.is_empty() {
             "void".to_string()
         } else {
@@ -166,7 +163,7 @@ fn every_exported_driver_symbol_is_checked() {
         .output()
         .expect("run nm (binutils)");
     assert!(out.status.success(), "nm failed on {}", lib.display());
-    let listed: Vec<&str> = exports().map(|(n, _)| *n).collect();
+    let listed: Vec<&str> = all_exports().map(|(n, _)| *n).collect();
     let exported: Vec<String> = String::from_utf8_lossy(&out.stdout)
         .lines()
         .filter_map(|l| l.split_whitespace().last())
