@@ -126,3 +126,52 @@ fn committed_header_matches_the_generated_one() {
         assert_eq!(on_disk, generated);
     }
 }
+
+/// Where PyTorch's C++ headers are: `$TORCH_INCLUDE_DIR`, else `target/torch-include`, which
+/// `scripts/fetch-torch-headers` fills from the pinned torch wheel.
+fn torch_include_dir() -> std::path::PathBuf {
+    let dir = std::env::var_os("TORCH_INCLUDE_DIR")
+        .map(Into::into)
+        .unwrap_or_else(|| root().join("target/torch-include"));
+    assert!(
+        dir.join("torch/csrc/cuda/CUDAPluggableAllocator.h").exists(),
+        "PyTorch's headers are not in {}: run scripts/fetch-torch-headers (or set TORCH_INCLUDE_DIR)",
+        dir.display()
+    );
+    dir
+}
+
+#[test]
+fn torch_helper_compiles_against_pytorch_and_nvidia_headers() {
+    let torch = torch_include_dir();
+    let dir = std::env::temp_dir().join(format!("tensoralloc-torch-hpp-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let tu = dir.join("install.cpp");
+    // What a libtorch program does; the function types PyTorch's setters take are checked by
+    // the compiler where the helper passes tensoralloc's functions to them.
+    std::fs::write(
+        &tu,
+        r#"
+#include <tensoralloc_torch.hpp>
+std::shared_ptr<tensoralloc::torch::Allocator> use() { return tensoralloc::torch::install(); }
+c10::cuda::CUDACachingAllocator::CUDAAllocator *as_pytorch_allocator(tensoralloc::torch::Allocator *a) { return a; }
+"#,
+    )
+    .unwrap();
+    // PyTorch's own headers are system headers here: only the helper's warnings are errors.
+    run(
+        Command::new(cxx())
+            .args(["-std=c++17", "-Wall", "-Wextra", "-Werror", "-fsyntax-only"])
+            .arg("-I")
+            .arg(root().join("include"))
+            .arg("-isystem")
+            .arg(&torch)
+            .arg("-isystem")
+            .arg(torch.join("torch/csrc/api/include"))
+            .arg("-isystem")
+            .arg(cuda_include_dir())
+            .arg(&tu),
+        "compiling include/tensoralloc_torch.hpp against PyTorch's headers",
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}

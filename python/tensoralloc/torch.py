@@ -1,0 +1,290 @@
+"""tensoralloc as PyTorch's CUDA allocator, with every hook.
+
+    import tensoralloc.torch
+    tensoralloc.torch.install()   # first thing, before any CUDA call
+
+`install()` compiles a small PyTorch C++ extension from the bundled `tensoralloc_torch.hpp`
+against the installed torch (once; later processes load the cached build) and makes
+tensoralloc the current allocator with allocation, free, record_stream, empty_cache, init,
+memory fraction, base allocation, CUDA-graph pools and statistics wired to it. Afterwards
+`torch.cuda.memory_stats()` and the functions built on it report tensoralloc's statistics; the
+same functions are here too, taking PyTorch's current device when `device` is None.
+"""
+
+import hashlib
+import os
+import shutil
+import sys
+import threading
+
+import tensoralloc as _ta
+from tensoralloc import (  # noqa: F401  (re-exported)
+    Error,
+    dump_snapshot,
+    empty_cache,
+    library_path,
+)
+
+__all__ = [
+    "InstallError",
+    "install",
+    "installed",
+    "memory_stats",
+    "memory_stats_as_nested_dict",
+    "memory_allocated",
+    "max_memory_allocated",
+    "memory_reserved",
+    "max_memory_reserved",
+    "reset_peak_memory_stats",
+    "reset_accumulated_memory_stats",
+    "memory_summary",
+    "empty_cache",
+    "set_per_process_memory_fraction",
+    "get_per_process_memory_fraction",
+    "dump_snapshot",
+    "library_path",
+]
+
+# The translation unit of the extension: load_inline adds <torch/extension.h> and the Python
+# binding of `install`.
+_EXTENSION_SOURCE = """
+#include <tensoralloc_torch.hpp>
+
+void install() { tensoralloc::torch::install(); }
+"""
+
+
+class InstallError(RuntimeError):
+    """tensoralloc cannot be installed into PyTorch here; the message says why and what to do."""
+
+
+_installed = False
+_install_lock = threading.Lock()
+
+
+def installed():
+    """Whether install() made tensoralloc PyTorch's allocator in this process."""
+    return _installed
+
+
+def _import_torch():
+    try:
+        import torch
+    except ImportError as e:
+        raise InstallError(
+            f"PyTorch is not installed for this Python ({sys.executable}): "
+            f"tensoralloc.torch.install() needs it ({e}). Install a CUDA build of PyTorch, "
+            "e.g. `pip install torch`, or use tensoralloc without PyTorch through the "
+            "functions of the `tensoralloc` module."
+        ) from None
+    return torch
+
+
+def _cuda_include_dir(torch):
+    """A directory with the CUDA runtime headers: $CUDA_HOME/include, else the NVIDIA wheels that
+    CUDA builds of PyTorch install (nvidia/*/include)."""
+    candidates = []
+    try:
+        from torch.utils.cpp_extension import CUDA_HOME
+    except Exception:  # pragma: no cover - torch without cpp_extension
+        CUDA_HOME = None
+    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), CUDA_HOME):
+        if home:
+            candidates.append(os.path.join(home, "include"))
+    for entry in sys.path:
+        nvidia = os.path.join(entry or ".", "nvidia")
+        if os.path.isdir(nvidia):
+            candidates.append(os.path.join(nvidia, "include"))
+            for name in sorted(os.listdir(nvidia)):
+                candidates.append(os.path.join(nvidia, name, "include"))
+    for directory in candidates:
+        if os.path.isfile(os.path.join(directory, "cuda_runtime_api.h")):
+            return directory
+    raise InstallError(
+        "the CUDA runtime headers (cuda_runtime_api.h) were not found, in $CUDA_HOME/include "
+        "nor in the nvidia/*/include directories of the NVIDIA wheels: install the CUDA toolkit "
+        "and set CUDA_HOME, or `pip install nvidia-cuda-runtime` matching "
+        f"PyTorch's CUDA {torch.version.cuda}."
+    )
+
+
+def _check_can_install(torch):
+    if torch.version.cuda is None or not torch.backends.cuda.is_built():
+        raise InstallError(
+            f"this PyTorch ({torch.__version__}) is built without CUDA, so it has no CUDA "
+            "allocator to replace: install a CUDA build of PyTorch "
+            "(https://pytorch.org/get-started/locally/)."
+        )
+    if torch.cuda.is_initialized():
+        raise InstallError(
+            "CUDA is already initialized in this process, and PyTorch cannot swap the allocator "
+            "of an initialized CUDA runtime: call tensoralloc.torch.install() first, before "
+            "anything that touches CUDA (creating CUDA tensors, .cuda(), .to('cuda'), "
+            "torch.cuda.* calls other than is_available())."
+        )
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        raise InstallError(
+            f"no C++ compiler ({compiler!r}, from $CXX or the default c++) is on PATH: "
+            "tensoralloc.torch.install() compiles a small extension against your PyTorch. "
+            "Install one (e.g. `apt-get install g++`) or point CXX at it."
+        )
+    from torch.utils.cpp_extension import is_ninja_available
+
+    if not is_ninja_available():
+        raise InstallError(
+            "ninja is not available, and PyTorch builds extensions with it: `pip install ninja`."
+        )
+
+
+def _cache_dir(torch, sources):
+    """The build directory of the extension, keyed by the torch version and every input."""
+    digest = hashlib.sha256()
+    for part in (torch.__version__, str(torch.version.cuda), sys.version, _ta.library_path()):
+        digest.update(part.encode())
+    for source in sources:
+        digest.update(source)
+    key = digest.hexdigest()[:16]
+    root = os.environ.get("TENSORALLOC_TORCH_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
+        "tensoralloc",
+        "torch-extension",
+    )
+    path = os.path.join(root, key)
+    os.makedirs(path, exist_ok=True)
+    return key, path
+
+
+def _config_string(config):
+    if isinstance(config, str):
+        return config
+    if isinstance(config, dict):
+        return ",".join(f"{key}:{value}" for key, value in config.items())
+    raise TypeError(f"config must be a TENSORALLOC_CONF string or a dict, not {type(config).__name__}")
+
+
+def install(config=None, verbose=False):
+    """Makes tensoralloc PyTorch's CUDA allocator for this process, with every hook.
+
+    `config` (a TENSORALLOC_CONF string such as "max_split_size_mb:128", or a dict of the same
+    options) is put in TENSORALLOC_CONF first; the library reads it when it initializes. Call
+    this before anything touches CUDA. The first call for a given torch builds the extension
+    (tens of seconds); later ones load it from the cache (~/.cache/tensoralloc, or
+    $TENSORALLOC_TORCH_CACHE). Calling it again after it succeeded does nothing.
+
+    Raises InstallError, saying why and what to do, when PyTorch is missing or built without
+    CUDA, CUDA is already initialized, or no C++ compiler, ninja or CUDA headers are found.
+    """
+    global _installed
+    with _install_lock:
+        if _installed:
+            return
+        torch = _import_torch()
+        _check_can_install(torch)
+        cuda_include = _cuda_include_dir(torch)
+        if config is not None:
+            os.environ["TENSORALLOC_CONF"] = _config_string(config)
+        include = _ta.include_dir()
+        sources = [_EXTENSION_SOURCE.encode()]
+        for name in ("tensoralloc.h", "tensoralloc_torch.hpp"):
+            with open(os.path.join(include, name), "rb") as f:
+                sources.append(f.read())
+        key, build_dir = _cache_dir(torch, sources)
+        # Loading the library first, with global symbols, makes the extension and the
+        # statistics functions of this package share one allocator.
+        _ta._library()
+        lib_dir = os.path.dirname(_ta.library_path())
+        torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
+        from torch.utils.cpp_extension import load_inline
+
+        try:
+            module = load_inline(
+                name=f"tensoralloc_torch_{key}",
+                cpp_sources=[_EXTENSION_SOURCE],
+                functions=["install"],
+                extra_include_paths=[include, cuda_include],
+                extra_cflags=["-O2"],
+                extra_ldflags=[
+                    f"-L{torch_lib}",
+                    "-ltorch_cuda",
+                    "-lc10_cuda",
+                    f"-L{lib_dir}",
+                    "-ltensoralloc",
+                    f"-Wl,-rpath,{lib_dir}",
+                ],
+                build_directory=build_dir,
+                with_cuda=False,
+                verbose=verbose,
+            )
+        except Exception as e:
+            raise InstallError(
+                f"building the tensoralloc extension for PyTorch {torch.__version__} in "
+                f"{build_dir} failed: {e}. Run tensoralloc.torch.install(verbose=True) to see "
+                "the compiler's output."
+            ) from e
+        module.install()
+        _installed = True
+
+
+def _device(device):
+    if device is None:
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_initialized():
+            return torch.cuda.current_device()
+    return _ta._device_index(device)
+
+
+def memory_stats(device=None):
+    """tensoralloc's statistics of `device` (PyTorch's current device when None), with the keys
+    of torch.cuda.memory_stats()."""
+    return _ta.memory_stats(_device(device))
+
+
+def memory_stats_as_nested_dict(device=None):
+    """tensoralloc's statistics of `device` as nested dictionaries."""
+    return _ta.memory_stats_as_nested_dict(_device(device))
+
+
+def memory_allocated(device=None):
+    """Bytes handed out on `device` now."""
+    return _ta.memory_allocated(_device(device))
+
+
+def max_memory_allocated(device=None):
+    """The peak of bytes handed out on `device`."""
+    return _ta.max_memory_allocated(_device(device))
+
+
+def memory_reserved(device=None):
+    """Bytes held from the driver on `device` now."""
+    return _ta.memory_reserved(_device(device))
+
+
+def max_memory_reserved(device=None):
+    """The peak of bytes held from the driver on `device`."""
+    return _ta.max_memory_reserved(_device(device))
+
+
+def reset_peak_memory_stats(device=None):
+    """Sets the peaks of `device` to the current values."""
+    _ta.reset_peak_memory_stats(_device(device))
+
+
+def reset_accumulated_memory_stats(device=None):
+    """Sets the totals and event counts of `device` to zero."""
+    _ta.reset_accumulated_memory_stats(_device(device))
+
+
+def memory_summary(device=None, abbreviated=False):
+    """A table of the statistics of `device`, like torch.cuda.memory_summary()."""
+    return _ta.memory_summary(_device(device), abbreviated)
+
+
+def set_per_process_memory_fraction(fraction, device=None):
+    """Limits tensoralloc on `device` to `fraction` of its total memory."""
+    _ta.set_per_process_memory_fraction(fraction, _device(device))
+
+
+def get_per_process_memory_fraction(device=None):
+    """The memory fraction of `device`."""
+    return _ta.get_per_process_memory_fraction(_device(device))
