@@ -48,6 +48,8 @@ const REQUIRED_SYMBOLS: &[&str] = &[
     "cuEventQuery",
     "cuEventSynchronize",
     "cuStreamGetCtx",
+    "cuStreamGetCaptureInfo_v2",
+    "cuThreadExchangeStreamCaptureMode",
     "cuMemHostAlloc",
     "cuMemFreeHost",
     "cuMemHostRegister_v2",
@@ -378,6 +380,41 @@ impl CudaDriver {
         Ok(f(device as std::ffi::c_int))
     }
 
+    /// On the fake driver of the test suite: begins capturing `stream` into a graph for the
+    /// calling thread. Fails on a real driver.
+    pub fn fake_begin_capture(&self, stream: Stream) -> Result<()> {
+        let f = self
+            .fake_control("fakecuda_begin_capture")
+            .ok_or_else(|| Self::not_fake("simulated graph capture"))?;
+        // SAFETY: the fake exports `int fakecuda_begin_capture(CUstream)`.
+        let f: extern "C" fn(sys::CUstream) -> std::ffi::c_int = unsafe { std::mem::transmute(f) };
+        match f(stream as sys::CUstream) {
+            0 => Ok(()),
+            _ => Err(Error::InvalidArgument(format!(
+                "stream {stream:#x} is already capturing"
+            ))),
+        }
+    }
+
+    /// On the fake driver of the test suite: ends the capture of `stream`; fails when it was
+    /// not capturing or the capture was invalidated. Fails on a real driver.
+    pub fn fake_end_capture(&self, stream: Stream) -> Result<()> {
+        let f = self
+            .fake_control("fakecuda_end_capture")
+            .ok_or_else(|| Self::not_fake("simulated graph capture"))?;
+        // SAFETY: the fake exports `int fakecuda_end_capture(CUstream)`.
+        let f: extern "C" fn(sys::CUstream) -> std::ffi::c_int = unsafe { std::mem::transmute(f) };
+        match f(stream as sys::CUstream) {
+            0 => Ok(()),
+            1 => Err(Error::Driver(format!(
+                "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED: the capture of stream {stream:#x} was invalidated"
+            ))),
+            _ => Err(Error::InvalidArgument(format!(
+                "stream {stream:#x} is not capturing"
+            ))),
+        }
+    }
+
     /// The primary context of `device` if it has been retained (for tests and diagnostics).
     pub fn retained_primary_context(&self, device: usize) -> Option<usize> {
         self.devices
@@ -399,6 +436,30 @@ impl Drop for CudaDriver {
     }
 }
 
+/// The calling thread in relaxed stream-capture mode until dropped (then back in its own mode),
+/// as PyTorch does around `cudaMalloc`.
+struct RelaxedCapture(sys::CUstreamCaptureMode);
+
+impl RelaxedCapture {
+    fn enter() -> Result<RelaxedCapture> {
+        let mut mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
+        // SAFETY: a valid in/out pointer; the call swaps the thread's mode with `mode`.
+        check(
+            unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) },
+            "cuThreadExchangeStreamCaptureMode",
+        )?;
+        Ok(RelaxedCapture(mode))
+    }
+}
+
+impl Drop for RelaxedCapture {
+    fn drop(&mut self) {
+        let mut mode = self.0;
+        // SAFETY: a valid in/out pointer; restores the mode saved by `enter`.
+        unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) };
+    }
+}
+
 fn event_handle(event: Event) -> sys::CUevent {
     event.0 as usize as sys::CUevent
 }
@@ -415,8 +476,13 @@ impl Driver for CudaDriver {
     fn mem_alloc(&self, device: usize, size: usize) -> Result<usize> {
         self.in_device(device, || {
             let mut ptr: sys::CUdeviceptr = 0;
-            // SAFETY: valid out-pointer; the device's context is current.
-            let r = unsafe { sys::cuMemAlloc_v2(&mut ptr, size) };
+            // In relaxed capture mode, so that an allocation while some stream of this thread
+            // (or, in global mode, of any thread) captures a graph does not invalidate it.
+            let r = {
+                let _relaxed = RelaxedCapture::enter()?;
+                // SAFETY: valid out-pointer; the device's context is current.
+                unsafe { sys::cuMemAlloc_v2(&mut ptr, size) }
+            };
             if r == CUresult::CUDA_ERROR_OUT_OF_MEMORY {
                 let info = match self.mem_info(device) {
                     Ok(i) => format!("{} bytes free of {}", i.free, i.total),
@@ -519,6 +585,25 @@ impl Driver for CudaDriver {
         }
         check(r, &format!("cuStreamGetCtx({stream:#x})"))?;
         self.context_device(Context(ctx))
+    }
+
+    fn stream_capturing(&self, stream: Stream) -> Result<bool> {
+        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        // SAFETY: a valid out-pointer for the status; every other output is optional (NULL).
+        // The driver validates the stream handle.
+        let r = unsafe {
+            sys::cuStreamGetCaptureInfo_v2(
+                stream as sys::CUstream,
+                &mut status,
+                ptr::null_mut(),
+                ptr::null_mut(),
+                ptr::null_mut(),
+                ptr::null_mut(),
+            )
+        };
+        check(r, &format!("cuStreamGetCaptureInfo({stream:#x})"))?;
+        // An invalidated capture is still a capture until it ends: the same calls stay illegal.
+        Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
     }
 
     fn host_alloc(&self, size: usize) -> Result<usize> {
