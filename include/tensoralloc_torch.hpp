@@ -32,7 +32,9 @@
 //                          tensoralloc_get_device_stats, tensoralloc_reset_peak_stats,
 //                          tensoralloc_reset_accumulated_stats, so torch.cuda.memory_stats()
 //                          and the functions built on it report tensoralloc's statistics
-// Everything else (memory snapshots, IPC handles, checkpointing) behaves as in PyTorch's
+//   getCheckpointState     a token (tensoralloc keeps no restorable state of a graph pool);
+//   setCheckpointPoolState raises an error naming the way around it (no CUDA-graph trees)
+// Everything else (memory snapshots, memory history, IPC handles) behaves as in PyTorch's
 // CUDAPluggableAllocator, which raises "does not yet support".
 #pragma once
 
@@ -187,6 +189,9 @@ inline c10::CachingDeviceAllocator::StatArray to_stat_array(const tensoralloc_st
 /// unsupported.
 class Allocator final : public ::torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator {
  public:
+  /// What getCheckpointState returns: tensoralloc keeps no restorable pool state.
+  struct UnrestorableState final : c10::cuda::CUDACachingAllocator::AllocatorState {};
+
   using Base = ::torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator;
 
   Allocator() : Base(&detail::allocate, &tensoralloc_free) {
@@ -245,6 +250,27 @@ class Allocator final : public ::torch::cuda::CUDAPluggableAllocator::CUDAPlugga
 
   void resetAccumulatedStats(c10::DeviceIndex device) override {
     detail::check(tensoralloc_reset_accumulated_stats(device), "reset accumulated statistics");
+  }
+
+  // torch.compile's CUDA-graph trees take a checkpoint of the graph pool after each
+  // recording, and restore one only when they record again in the middle of replaying a path
+  // (setCheckpointPoolState). tensoralloc cannot move a pool back to an earlier state, so the
+  // checkpoint is a token that only says so, and restoring it raises an error that names the
+  // way around it.
+  std::shared_ptr<c10::cuda::CUDACachingAllocator::AllocatorState> getCheckpointState(
+      c10::DeviceIndex /*device*/, c10::cuda::MempoolId_t /*id*/) override {
+    return std::make_shared<UnrestorableState>();
+  }
+
+  c10::cuda::CUDACachingAllocator::CheckpointDelta setCheckpointPoolState(
+      c10::DeviceIndex /*device*/,
+      std::shared_ptr<c10::cuda::CUDACachingAllocator::AllocatorState> /*pps*/) override {
+    TORCH_CHECK(false,
+                "tensoralloc cannot restore a CUDA graph pool to a checkpoint, which "
+                "torch.compile's CUDA-graph trees need to record a graph while replaying "
+                "others: set torch._inductor.config.triton.cudagraph_trees = False (one "
+                "CUDA graph per compiled function, no checkpoints), or compile without "
+                "mode=\"reduce-overhead\"");
   }
 
   double getMemoryFraction(c10::DeviceIndex device) override {

@@ -80,9 +80,11 @@ def _import_torch():
     return torch
 
 
-def _cuda_include_dir(torch):
-    """A directory with the CUDA runtime headers: $CUDA_HOME/include, else the NVIDIA wheels that
-    CUDA builds of PyTorch install (nvidia/*/include)."""
+def _cuda_include_dirs(torch):
+    """Directories with the CUDA runtime headers that PyTorch's CUDA headers include:
+    cuda_runtime_api.h and crt/host_config.h, from $CUDA_HOME/include, else from the NVIDIA
+    wheels (nvidia/*/include; the second one is in nvidia-cuda-crt, which PyTorch does not
+    install)."""
     candidates = []
     try:
         from torch.utils.cpp_extension import CUDA_HOME
@@ -97,15 +99,21 @@ def _cuda_include_dir(torch):
             candidates.append(os.path.join(nvidia, "include"))
             for name in sorted(os.listdir(nvidia)):
                 candidates.append(os.path.join(nvidia, name, "include"))
-    for directory in candidates:
-        if os.path.isfile(os.path.join(directory, "cuda_runtime_api.h")):
-            return directory
-    raise InstallError(
-        "the CUDA runtime headers (cuda_runtime_api.h) were not found, in $CUDA_HOME/include "
-        "nor in the nvidia/*/include directories of the NVIDIA wheels: install the CUDA toolkit "
-        "and set CUDA_HOME, or `pip install nvidia-cuda-runtime` matching "
-        f"PyTorch's CUDA {torch.version.cuda}."
-    )
+    found = []
+    for header in ("cuda_runtime_api.h", os.path.join("crt", "host_config.h")):
+        where = next((d for d in candidates if os.path.isfile(os.path.join(d, header))), None)
+        if where is None:
+            major_minor = ".".join(str(torch.version.cuda).split(".")[:2])
+            package = "nvidia-cuda-runtime" if header.endswith("api.h") else "nvidia-cuda-crt"
+            raise InstallError(
+                f"the CUDA header {header} was not found, in $CUDA_HOME/include nor in the "
+                "nvidia/*/include directories of the NVIDIA wheels, and PyTorch's CUDA headers "
+                "need it: install the CUDA toolkit and set CUDA_HOME, or "
+                f"`pip install \"{package}=={major_minor}.*\"` (PyTorch's CUDA {torch.version.cuda})."
+            )
+        if where not in found:
+            found.append(where)
+    return found
 
 
 def _check_can_install(torch):
@@ -131,6 +139,11 @@ def _check_can_install(torch):
         )
     from torch.utils.cpp_extension import is_ninja_available
 
+    # The ninja of `pip install ninja` is in this environment's bin directory, which is not on
+    # PATH when Python runs without the environment being activated.
+    scripts = os.path.dirname(sys.executable)
+    if shutil.which("ninja") is None and os.path.isfile(os.path.join(scripts, "ninja")):
+        os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
     if not is_ninja_available():
         raise InstallError(
             "ninja is not available, and PyTorch builds extensions with it: `pip install ninja`."
@@ -181,7 +194,7 @@ def install(config=None, verbose=False):
             return
         torch = _import_torch()
         _check_can_install(torch)
-        cuda_include = _cuda_include_dir(torch)
+        cuda_includes = _cuda_include_dirs(torch)
         if config is not None:
             os.environ["TENSORALLOC_CONF"] = _config_string(config)
         include = _ta.include_dir()
@@ -202,7 +215,7 @@ def install(config=None, verbose=False):
                 name=f"tensoralloc_torch_{key}",
                 cpp_sources=[_EXTENSION_SOURCE],
                 functions=["install"],
-                extra_include_paths=[include, cuda_include],
+                extra_include_paths=[include, *cuda_includes],
                 extra_cflags=["-O2"],
                 extra_ldflags=[
                     f"-L{torch_lib}",
