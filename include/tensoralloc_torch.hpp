@@ -129,7 +129,8 @@ class PoolFilters {
   void end(int device, c10::cuda::MempoolId_t pool) {
     tensoralloc_status status =
         tensoralloc_end_allocate_to_pool(device, pool.first, pool.second);
-    {
+    // A failed end ended nothing: every filter may still be called.
+    if (status == 0) {
       std::lock_guard<std::mutex> lock(mutex_);
       Key key{device, pool.first, pool.second};
       auto it = entries_.find(key);
