@@ -39,18 +39,29 @@ fn header_compiles_alone_as_cpp17() {
     compile_alone(cxx(), "-std=c++17", "c++");
 }
 
-/// Where NVIDIA's CUDA headers are: `$CUDA_INCLUDE_DIR`, else `target/cuda-include`, which
-/// `scripts/fetch-cuda-headers` fills from the `nvidia-cuda-runtime` wheel.
-fn cuda_include_dir() -> std::path::PathBuf {
-    let dir = std::env::var_os("CUDA_INCLUDE_DIR")
+/// A directory of downloaded headers: `$var`, else `target/<default>`, filled by `script`;
+/// `probe` is a file it must hold.
+fn fetched_include_dir(var: &str, default: &str, probe: &str, script: &str) -> std::path::PathBuf {
+    let dir = std::env::var_os(var)
         .map(Into::into)
-        .unwrap_or_else(|| root().join("target/cuda-include"));
+        .unwrap_or_else(|| root().join("target").join(default));
     assert!(
-        dir.join("cuda_runtime_api.h").exists(),
-        "NVIDIA's cuda_runtime_api.h is not in {}: run scripts/fetch-cuda-headers (or set CUDA_INCLUDE_DIR)",
+        dir.join(probe).exists(),
+        "{probe} is not in {}: run {script} (or set {var})",
         dir.display()
     );
     dir
+}
+
+/// NVIDIA's CUDA headers, which `scripts/fetch-cuda-headers` takes from the
+/// `nvidia-cuda-runtime` wheel.
+fn cuda_include_dir() -> std::path::PathBuf {
+    fetched_include_dir(
+        "CUDA_INCLUDE_DIR",
+        "cuda-include",
+        "cuda_runtime_api.h",
+        "scripts/fetch-cuda-headers",
+    )
 }
 
 #[test]
@@ -127,18 +138,15 @@ fn committed_header_matches_the_generated_one() {
     }
 }
 
-/// Where PyTorch's C++ headers are: `$TORCH_INCLUDE_DIR`, else `target/torch-include`, which
-/// `scripts/fetch-torch-headers` fills from the pinned torch wheel.
+/// PyTorch's C++ headers, which `scripts/fetch-torch-headers` takes from the pinned torch
+/// wheel.
 fn torch_include_dir() -> std::path::PathBuf {
-    let dir = std::env::var_os("TORCH_INCLUDE_DIR")
-        .map(Into::into)
-        .unwrap_or_else(|| root().join("target/torch-include"));
-    assert!(
-        dir.join("torch/csrc/cuda/CUDAPluggableAllocator.h").exists(),
-        "PyTorch's headers are not in {}: run scripts/fetch-torch-headers (or set TORCH_INCLUDE_DIR)",
-        dir.display()
-    );
-    dir
+    fetched_include_dir(
+        "TORCH_INCLUDE_DIR",
+        "torch-include",
+        "torch/csrc/cuda/CUDAPluggableAllocator.h",
+        "scripts/fetch-torch-headers",
+    )
 }
 
 #[test]

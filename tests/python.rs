@@ -35,7 +35,13 @@ fn python_package_installs_into_a_fresh_venv_and_reports_statistics() {
     let venv_python = venv.join("bin/python");
     run(
         Command::new(&venv_python)
-            .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check"])
+            .args([
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--disable-pip-version-check",
+            ])
             .arg(root().join("python"))
             .env("TENSORALLOC_LIB", lib_dir().join("libtensoralloc.so")),
         "pip install ./python",

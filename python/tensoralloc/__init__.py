@@ -11,6 +11,7 @@ Statistics have the keys and meaning of `torch.cuda.memory_stats()`.
 
 import ctypes
 import os
+import sys
 import threading
 
 __all__ = [
@@ -150,9 +151,13 @@ def _check(status, what):
 
 
 def _device_index(device):
-    """An int device index from None (the current device: 0 here, PyTorch's current device in
-    tensoralloc.torch), an int, or a torch.device / "cuda:N" string."""
+    """An int device index from None (PyTorch's current device once PyTorch has started CUDA in
+    this process, else 0), an int, or a torch.device / "cuda:N" string."""
     if device is None:
+        torch = sys.modules.get("torch")
+        cuda = getattr(torch, "cuda", None)
+        if cuda is not None and cuda.is_initialized():
+            return cuda.current_device()
         return 0
     if isinstance(device, bool):
         raise TypeError("device must be an int, a torch.device or None, not bool")
@@ -291,24 +296,23 @@ def dump_snapshot(path):
     _check(fn(os.fsencode(path)), f"write a snapshot to {path}")
 
 
-def _format_size(value, reference):
-    units = ("B  ", "KiB", "MiB", "GiB", "TiB", "PiB")
-    unit = 0
-    while unit + 1 < len(units) and reference >= 768 * 1024:
-        value //= 1024
-        reference /= 1024
-        unit += 1
-    return f"{value:6d} {units[unit]}"
+def _scaled(template, units, step, threshold):
+    """A formatter for the summary: `value` in the unit that `reference` (the row's total)
+    reaches, as PyTorch's summary scales its columns."""
+
+    def format_value(value, reference):
+        unit = 0
+        while unit + 1 < len(units) and reference >= threshold:
+            value //= step
+            reference /= step
+            unit += 1
+        return template.format(value, units[unit])
+
+    return format_value
 
 
-def _format_count(value, reference):
-    units = (" ", "K", "M")
-    unit = 0
-    while unit + 1 < len(units) and reference >= 750 * 1000:
-        value //= 1000
-        reference /= 1000
-        unit += 1
-    return f"{value:7d} {units[unit]} "
+_format_size = _scaled("{:6d} {}", ("B  ", "KiB", "MiB", "GiB", "TiB", "PiB"), 1024, 768 * 1024)
+_format_count = _scaled("{:7d} {} ", (" ", "K", "M"), 1000, 750 * 1000)
 
 
 _SUMMARY_ROWS = (

@@ -18,11 +18,25 @@ import sys
 import threading
 
 import tensoralloc as _ta
-from tensoralloc import (  # noqa: F401  (re-exported)
+
+# The statistics and controls, re-exported: with `device` None they take PyTorch's current
+# device once PyTorch has started CUDA.
+from tensoralloc import (  # noqa: F401
     Error,
     dump_snapshot,
     empty_cache,
+    get_per_process_memory_fraction,
     library_path,
+    max_memory_allocated,
+    max_memory_reserved,
+    memory_allocated,
+    memory_reserved,
+    memory_stats,
+    memory_stats_as_nested_dict,
+    memory_summary,
+    reset_accumulated_memory_stats,
+    reset_peak_memory_stats,
+    set_per_process_memory_fraction,
 )
 
 __all__ = [
@@ -237,67 +251,3 @@ def install(config=None, verbose=False):
             ) from e
         module.install()
         _installed = True
-
-
-def _device(device):
-    if device is None:
-        torch = sys.modules.get("torch")
-        if torch is not None and torch.cuda.is_initialized():
-            return torch.cuda.current_device()
-    return _ta._device_index(device)
-
-
-def memory_stats(device=None):
-    """tensoralloc's statistics of `device` (PyTorch's current device when None), with the keys
-    of torch.cuda.memory_stats()."""
-    return _ta.memory_stats(_device(device))
-
-
-def memory_stats_as_nested_dict(device=None):
-    """tensoralloc's statistics of `device` as nested dictionaries."""
-    return _ta.memory_stats_as_nested_dict(_device(device))
-
-
-def memory_allocated(device=None):
-    """Bytes handed out on `device` now."""
-    return _ta.memory_allocated(_device(device))
-
-
-def max_memory_allocated(device=None):
-    """The peak of bytes handed out on `device`."""
-    return _ta.max_memory_allocated(_device(device))
-
-
-def memory_reserved(device=None):
-    """Bytes held from the driver on `device` now."""
-    return _ta.memory_reserved(_device(device))
-
-
-def max_memory_reserved(device=None):
-    """The peak of bytes held from the driver on `device`."""
-    return _ta.max_memory_reserved(_device(device))
-
-
-def reset_peak_memory_stats(device=None):
-    """Sets the peaks of `device` to the current values."""
-    _ta.reset_peak_memory_stats(_device(device))
-
-
-def reset_accumulated_memory_stats(device=None):
-    """Sets the totals and event counts of `device` to zero."""
-    _ta.reset_accumulated_memory_stats(_device(device))
-
-
-def memory_summary(device=None, abbreviated=False):
-    """A table of the statistics of `device`, like torch.cuda.memory_summary()."""
-    return _ta.memory_summary(_device(device), abbreviated)
-
-
-def set_per_process_memory_fraction(fraction, device=None):
-    """Limits tensoralloc on `device` to `fraction` of its total memory."""
-    _ta.set_per_process_memory_fraction(fraction, _device(device))
-
-
-def get_per_process_memory_fraction(device=None):
-    """The memory fraction of `device`."""
-    return _ta.get_per_process_memory_fraction(_device(device))
