@@ -6,8 +6,8 @@ use std::ffi::{c_int, c_void};
 use std::sync::Arc;
 
 use super::{fail, ffi_boundary, status, tensoralloc_status, CUstream_st, TENSORALLOC_OK};
-use crate::device::StreamFilter;
-use crate::error::Error;
+use crate::device::{DeviceAllocator, StreamFilter};
+use crate::error::{Error, Result};
 use crate::runtime::Runtime;
 
 /// Decides whether an allocation on `stream` goes to a graph private pool: nonzero = yes.
@@ -103,6 +103,15 @@ pub extern "C" fn tensoralloc_get_base_allocation(
     }
 }
 
+/// Runs `f` on the allocator of C device index `device` and reports its result as a status.
+fn on_device(device: c_int, f: impl FnOnce(&DeviceAllocator) -> Result<()>) -> tensoralloc_status {
+    status(
+        Runtime::get()
+            .and_then(|rt| rt.device_from_c(device))
+            .and_then(f),
+    )
+}
+
 /// A C filter and its context, callable from any thread.
 struct CFilter {
     filter: extern "C" fn(*mut c_void, *mut CUstream_st) -> c_int,
@@ -152,11 +161,7 @@ pub extern "C" fn tensoralloc_begin_allocate_to_pool(
             Arc::new(move |stream: usize| c.accepts(stream))
                 as StreamFilter
         });
-        status(
-            Runtime::get()
-                .and_then(|rt| rt.device_from_c(device))
-                .and_then(|d| d.begin_allocate_to_pool((pool_id_0, pool_id_1), filter)),
-        )
+        on_device(device, |d| d.begin_allocate_to_pool((pool_id_0, pool_id_1), filter))
     }
 }
 
@@ -172,11 +177,7 @@ pub extern "C" fn tensoralloc_end_allocate_to_pool(
     pool_id_1: u64,
 ) -> tensoralloc_status {
     ffi_boundary! {
-        status(
-            Runtime::get()
-                .and_then(|rt| rt.device_from_c(device))
-                .and_then(|d| d.end_allocate_to_pool((pool_id_0, pool_id_1))),
-        )
+        on_device(device, |d| d.end_allocate_to_pool((pool_id_0, pool_id_1)))
     }
 }
 
@@ -194,10 +195,6 @@ pub extern "C" fn tensoralloc_release_pool(
     pool_id_1: u64,
 ) -> tensoralloc_status {
     ffi_boundary! {
-        status(
-            Runtime::get()
-                .and_then(|rt| rt.device_from_c(device))
-                .and_then(|d| d.release_pool((pool_id_0, pool_id_1))),
-        )
+        on_device(device, |d| d.release_pool((pool_id_0, pool_id_1)))
     }
 }

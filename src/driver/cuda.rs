@@ -48,7 +48,7 @@ const REQUIRED_SYMBOLS: &[&str] = &[
     "cuEventQuery",
     "cuEventSynchronize",
     "cuStreamGetCtx",
-    "cuStreamGetCaptureInfo_v2",
+    "cuStreamIsCapturing",
     "cuThreadExchangeStreamCaptureMode",
     "cuMemHostAlloc",
     "cuMemFreeHost",
@@ -75,6 +75,9 @@ struct DeviceSlot {
 /// The NVIDIA driver API, loaded at run time.
 pub struct CudaDriver {
     devices: Vec<DeviceSlot>,
+    /// Whether the driver has `cuStreamGetCaptureInfo_v3` (CUDA 12.3 and later), the capture
+    /// query PyTorch uses; older drivers answer through `cuStreamIsCapturing`.
+    capture_info_v3: bool,
     /// Our own `dlopen` reference to the library cudarc uses, so it stays loaded as long as we
     /// hold handles from it.
     library: LibraryHandle,
@@ -121,16 +124,19 @@ fn open_driver_library() -> Result<LibraryHandle> {
     )))
 }
 
+/// Whether the library exports `name`.
+fn has_symbol(library: &LibraryHandle, name: &str) -> bool {
+    let cname = CString::new(name).expect("symbol names have no NUL");
+    // SAFETY: the handle came from dlopen and is never closed; the name is NUL-terminated.
+    !unsafe { libc::dlsym(library.0, cname.as_ptr()) }.is_null()
+}
+
 /// Checks that the library has every entry point this backend calls.
 fn check_symbols(library: &LibraryHandle) -> Result<()> {
     let missing: Vec<&str> = REQUIRED_SYMBOLS
         .iter()
         .copied()
-        .filter(|name| {
-            let cname = CString::new(*name).expect("symbol names have no NUL");
-            // SAFETY: the handle came from dlopen and is never closed; the name is NUL-terminated.
-            unsafe { libc::dlsym(library.0, cname.as_ptr()) }.is_null()
-        })
+        .filter(|name| !has_symbol(library, name))
         .collect();
     if missing.is_empty() {
         Ok(())
@@ -229,7 +235,12 @@ impl CudaDriver {
                 primary: OnceCell::new(),
             });
         }
-        Ok(CudaDriver { devices, library })
+        let capture_info_v3 = has_symbol(&library, "cuStreamGetCaptureInfo_v3");
+        Ok(CudaDriver {
+            devices,
+            capture_info_v3,
+            library,
+        })
     }
 
     fn slot(&self, device: usize) -> Result<&DeviceSlot> {
@@ -380,15 +391,20 @@ impl CudaDriver {
         Ok(f(device as std::ffi::c_int))
     }
 
+    /// Calls the fake driver's control `int name(CUstream)`. Fails on a real driver.
+    fn fake_stream_control(&self, name: &str, stream: Stream) -> Result<std::ffi::c_int> {
+        let f = self
+            .fake_control(name)
+            .ok_or_else(|| Self::not_fake("simulated graph capture"))?;
+        // SAFETY: the fake exports the capture controls as `int name(CUstream)`.
+        let f: extern "C" fn(sys::CUstream) -> std::ffi::c_int = unsafe { std::mem::transmute(f) };
+        Ok(f(stream as sys::CUstream))
+    }
+
     /// On the fake driver of the test suite: begins capturing `stream` into a graph for the
     /// calling thread. Fails on a real driver.
     pub fn fake_begin_capture(&self, stream: Stream) -> Result<()> {
-        let f = self
-            .fake_control("fakecuda_begin_capture")
-            .ok_or_else(|| Self::not_fake("simulated graph capture"))?;
-        // SAFETY: the fake exports `int fakecuda_begin_capture(CUstream)`.
-        let f: extern "C" fn(sys::CUstream) -> std::ffi::c_int = unsafe { std::mem::transmute(f) };
-        match f(stream as sys::CUstream) {
+        match self.fake_stream_control("fakecuda_begin_capture", stream)? {
             0 => Ok(()),
             _ => Err(Error::InvalidArgument(format!(
                 "stream {stream:#x} is already capturing"
@@ -399,12 +415,7 @@ impl CudaDriver {
     /// On the fake driver of the test suite: ends the capture of `stream`; fails when it was
     /// not capturing or the capture was invalidated. Fails on a real driver.
     pub fn fake_end_capture(&self, stream: Stream) -> Result<()> {
-        let f = self
-            .fake_control("fakecuda_end_capture")
-            .ok_or_else(|| Self::not_fake("simulated graph capture"))?;
-        // SAFETY: the fake exports `int fakecuda_end_capture(CUstream)`.
-        let f: extern "C" fn(sys::CUstream) -> std::ffi::c_int = unsafe { std::mem::transmute(f) };
-        match f(stream as sys::CUstream) {
+        match self.fake_stream_control("fakecuda_end_capture", stream)? {
             0 => Ok(()),
             1 => Err(Error::Driver(format!(
                 "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED: the capture of stream {stream:#x} was invalidated"
@@ -589,17 +600,25 @@ impl Driver for CudaDriver {
 
     fn stream_capturing(&self, stream: Stream) -> Result<bool> {
         let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-        // SAFETY: a valid out-pointer for the status; every other output is optional (NULL).
-        // The driver validates the stream handle.
-        let r = unsafe {
-            sys::cuStreamGetCaptureInfo_v2(
-                stream as sys::CUstream,
-                &mut status,
-                ptr::null_mut(),
-                ptr::null_mut(),
-                ptr::null_mut(),
-                ptr::null_mut(),
-            )
+        let h = stream as sys::CUstream;
+        let r = if self.capture_info_v3 {
+            // SAFETY: the driver has this entry point (checked at load); a valid out-pointer
+            // for the status, and every other output is optional (NULL). The driver validates
+            // the stream handle.
+            unsafe {
+                sys::cuStreamGetCaptureInfo_v3(
+                    h,
+                    &mut status,
+                    ptr::null_mut(),
+                    ptr::null_mut(),
+                    ptr::null_mut(),
+                    ptr::null_mut(),
+                    ptr::null_mut(),
+                )
+            }
+        } else {
+            // SAFETY: a valid out-pointer; the driver validates the stream handle.
+            unsafe { sys::cuStreamIsCapturing(h, &mut status) }
         };
         check(r, &format!("cuStreamGetCaptureInfo({stream:#x})"))?;
         // An invalidated capture is still a capture until it ends: the same calls stay illegal.

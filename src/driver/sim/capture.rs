@@ -8,6 +8,7 @@
 //! Capture state is process-wide, like stream holds (stream handles are global in CUDA).
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::thread::ThreadId;
 
 use once_cell::sync::Lazy;
@@ -23,6 +24,8 @@ struct Capture {
 }
 
 static CAPTURES: Lazy<Mutex<HashMap<Stream, Capture>>> = Lazy::new(|| Mutex::new(HashMap::new()));
+/// Captures underway, so that the common case (none) takes no lock.
+static UNDERWAY: AtomicUsize = AtomicUsize::new(0);
 
 /// Starts capturing `stream` on behalf of the calling thread. Fails if it already captures.
 pub fn begin_capture(stream: Stream) -> Result<()> {
@@ -39,6 +42,7 @@ pub fn begin_capture(stream: Stream) -> Result<()> {
             invalidated: None,
         },
     );
+    UNDERWAY.fetch_add(1, Relaxed);
     Ok(())
 }
 
@@ -51,6 +55,7 @@ pub fn end_capture(stream: Stream) -> Result<()> {
             "stream {stream:#x} is not capturing (CUDA_ERROR_ILLEGAL_STATE)"
         ))
     })?;
+    UNDERWAY.fetch_sub(1, Relaxed);
     match capture.invalidated {
         None => Ok(()),
         Some(why) => Err(Error::Driver(format!(
@@ -61,11 +66,14 @@ pub fn end_capture(stream: Stream) -> Result<()> {
 
 /// Whether `stream` is capturing.
 pub fn is_capturing(stream: Stream) -> bool {
-    CAPTURES.lock().contains_key(&stream)
+    UNDERWAY.load(Relaxed) != 0 && CAPTURES.lock().contains_key(&stream)
 }
 
 /// Whether the calling thread has a capture underway.
 pub fn thread_is_capturing() -> bool {
+    if UNDERWAY.load(Relaxed) == 0 {
+        return false;
+    }
     let me = std::thread::current().id();
     CAPTURES.lock().values().any(|c| c.thread == me)
 }
@@ -73,10 +81,10 @@ pub fn thread_is_capturing() -> bool {
 /// The calling thread made `call`, which a driver forbids while that thread captures:
 /// invalidates the thread's captures. Cheap when nothing captures.
 pub fn unsafe_call(call: &str) {
-    let mut captures = CAPTURES.lock();
-    if captures.is_empty() {
+    if UNDERWAY.load(Relaxed) == 0 {
         return;
     }
+    let mut captures = CAPTURES.lock();
     let me = std::thread::current().id();
     for c in captures.values_mut().filter(|c| c.thread == me) {
         c.invalidated.get_or_insert_with(|| call.to_string());

@@ -1,4 +1,4 @@
-//! The fake driver's stream capture: `cuStreamGetCaptureInfo_v2`,
+//! The fake driver's stream capture: `cuStreamGetCaptureInfo_v3`, `cuStreamIsCapturing`,
 //! `cuThreadExchangeStreamCaptureMode`, and test controls that begin and end captures.
 //!
 //! Capture state is the simulated device's ([`sim::capture`]): event queries and waits and
@@ -26,6 +26,12 @@ const STATUS_ACTIVE: c_uint = 1;
 /// `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`.
 pub const CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED: CUresult = 900;
 
+/// Whether a stream (valid for the fake) is capturing.
+fn capture_status(stream: CUstream) -> Result<bool, CUresult> {
+    Fake::get()?.stream_device(stream)?;
+    Ok(sim::capture::is_capturing(stream as usize))
+}
+
 thread_local! {
     static MODE: Cell<c_uint> = const { Cell::new(MODE_GLOBAL) };
 }
@@ -44,19 +50,19 @@ crate::driver_api! {
     exports CAPTURE_EXPORTS;
 
     /// Whether `hStream` is capturing (`CU_STREAM_CAPTURE_STATUS_ACTIVE`) or not; a capture id
-    /// (the stream handle) when asked. The graph and dependency outputs are left alone
+    /// (the stream handle) when asked. The graph, dependency and edge outputs are left alone
     /// (the fake builds no graph): they may be NULL.
-    fn cuStreamGetCaptureInfo_v2(
+    fn cuStreamGetCaptureInfo_v3(
         hStream: CUstream,
         captureStatus_out: *mut CUstreamCaptureStatus,
         id_out: *mut cuuint64_t,
         graph_out: *mut CUgraph,
         dependencies_out: *mut *const CUgraphNode,
+        edgeData_out: *mut *const CUgraphEdgeData,
         numDependencies_out: *mut usize,
     ) {
-        let _ = (graph_out, dependencies_out, numDependencies_out);
-        Fake::get()?.stream_device(hStream)?;
-        let capturing = sim::capture::is_capturing(hStream as usize);
+        let _ = (graph_out, dependencies_out, edgeData_out, numDependencies_out);
+        let capturing = capture_status(hStream)?;
         // SAFETY: the caller passes a valid out-pointer for the status (NVIDIA's contract).
         unsafe { put(captureStatus_out, if capturing { STATUS_ACTIVE } else { STATUS_NONE }) }?;
         if capturing && !id_out.is_null() {
@@ -64,6 +70,13 @@ crate::driver_api! {
             unsafe { put(id_out, hStream as usize as cuuint64_t) }?;
         }
         Ok(())
+    }
+
+    /// Whether `hStream` is capturing (the query of drivers before CUDA 12.3).
+    fn cuStreamIsCapturing(hStream: CUstream, captureStatus: *mut CUstreamCaptureStatus) {
+        let capturing = capture_status(hStream)?;
+        // SAFETY: the caller passes a valid out-pointer (NVIDIA's contract).
+        unsafe { put(captureStatus, if capturing { STATUS_ACTIVE } else { STATUS_NONE }) }
     }
 
     /// Swaps the calling thread's capture mode with `*mode`.

@@ -53,6 +53,12 @@ pub struct CUgraphNode_st {
     _opaque: [u8; 0],
 }
 
+/// Opaque graph edge data (`CUgraphEdgeData`, a structure the fake never reads).
+#[repr(C)]
+pub struct CUgraphEdgeData {
+    _opaque: [u8; 0],
+}
+
 /// `CUgraph`.
 pub type CUgraph = *mut CUgraph_st;
 /// `CUgraphNode`.
