@@ -21,43 +21,9 @@ import tensoralloc as _ta
 
 # The statistics and controls, re-exported: with `device` None they take PyTorch's current
 # device once PyTorch has started CUDA.
-from tensoralloc import (  # noqa: F401
-    Error,
-    dump_snapshot,
-    empty_cache,
-    get_per_process_memory_fraction,
-    library_path,
-    max_memory_allocated,
-    max_memory_reserved,
-    memory_allocated,
-    memory_reserved,
-    memory_stats,
-    memory_stats_as_nested_dict,
-    memory_summary,
-    reset_accumulated_memory_stats,
-    reset_peak_memory_stats,
-    set_per_process_memory_fraction,
-)
+from tensoralloc import *  # noqa: F401,F403
 
-__all__ = [
-    "InstallError",
-    "install",
-    "installed",
-    "memory_stats",
-    "memory_stats_as_nested_dict",
-    "memory_allocated",
-    "max_memory_allocated",
-    "memory_reserved",
-    "max_memory_reserved",
-    "reset_peak_memory_stats",
-    "reset_accumulated_memory_stats",
-    "memory_summary",
-    "empty_cache",
-    "set_per_process_memory_fraction",
-    "get_per_process_memory_fraction",
-    "dump_snapshot",
-    "library_path",
-]
+__all__ = ["InstallError", "install", "installed"] + _ta.__all__
 
 # The translation unit of the extension: load_inline adds <torch/extension.h> and the Python
 # binding of `install`.
