@@ -20,9 +20,11 @@
 
 use std::ffi::c_void;
 use std::hint::black_box;
-use std::sync::{Arc, Barrier};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+mod common;
+
+use common::in_threads;
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use tensoralloc::capi::device::{tensoralloc_free, tensoralloc_malloc};
 use tensoralloc::capi::host::{tensoralloc_host_free, tensoralloc_host_malloc};
@@ -105,46 +107,6 @@ fn populate_host() {
             });
         }
     });
-}
-
-/// CPU time consumed by the calling thread.
-fn thread_cpu() -> Duration {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: `ts` is a valid timespec to write to.
-    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
-    Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
-}
-
-/// Runs `iters` calls of `work(thread)` on each of `threads` threads started together, after
-/// one unmeasured call each. Returns the wall time and the threads' mean CPU time.
-fn in_threads(threads: usize, iters: u64, work: fn(usize)) -> (Duration, Duration) {
-    let start = Arc::new(Barrier::new(threads + 1));
-    let done = Arc::new(Barrier::new(threads + 1));
-    let handles: Vec<_> = (0..threads)
-        .map(|t| {
-            let (start, done) = (start.clone(), done.clone());
-            std::thread::spawn(move || {
-                work(t);
-                start.wait();
-                let t0 = thread_cpu();
-                for _ in 0..iters {
-                    work(t);
-                }
-                let cpu = thread_cpu() - t0;
-                done.wait();
-                cpu
-            })
-        })
-        .collect();
-    start.wait();
-    let t0 = Instant::now();
-    done.wait();
-    let took = t0.elapsed();
-    let cpu: Duration = handles.into_iter().map(|h| h.join().unwrap()).sum();
-    (took, cpu / threads as u32)
 }
 
 /// `<group>/N`: wall time, so the throughput ratio to N = 1 is the scaling; and
