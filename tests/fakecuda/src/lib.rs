@@ -87,6 +87,8 @@ macro_rules! driver_api {
     };
 }
 
+pub mod entry;
+
 driver_api! {
     /// Initializes the fake driver. `Flags` must be 0.
     fn cuInit(Flags: c_uint) {
