@@ -140,7 +140,13 @@ fn alloc_sync(state: &State, d: &Device, out: *mut usize, size: usize) -> Status
     }
 }
 
-fn alloc_async(state: &State, d: &Device, key: Option<Stream>, out: *mut usize, size: usize) -> Status {
+fn alloc_async(
+    state: &State,
+    d: &Device,
+    key: Option<Stream>,
+    out: *mut usize,
+    size: usize,
+) -> Status {
     let r = match key {
         Some(s) => state.malloc_async(d, size, s),
         None => state.malloc_sync(d, size),
@@ -211,13 +217,10 @@ fn host_alloc(state: &State, out: *mut *mut c_void, size: usize, flags: c_uint) 
 /// legacy stream and non-blocking streams is done; `None` when the pointer is not ours.
 fn host_free(state: &State, call: &str, ptr: usize) -> Option<Status> {
     let Some(ctx) = state.host_live.remove(ptr) else {
-        return state
-            .host_known
-            .remove(ptr)
-            .map(|()| {
-                state.host_known.insert(ptr, ());
-                invalid_free(state, call, ptr)
-            });
+        return state.host_known.remove(ptr).map(|()| {
+            state.host_known.insert(ptr, ());
+            invalid_free(state, call, ptr)
+        });
     };
     let host = state.host();
     host.record_event(ptr, Some(ctx), 0);
@@ -238,7 +241,9 @@ fn add_cached(state: &State, d: Option<&Device>, free: *mut usize, total: *mut u
         if !free.is_null() && !total.is_null() {
             // SAFETY: the real call just wrote both.
             unsafe {
-                let f = (*free).saturating_add(state.cached_free_bytes(d)).min(*total);
+                let f = (*free)
+                    .saturating_add(state.cached_free_bytes(d))
+                    .min(*total);
                 put(free, f);
             }
         }
@@ -255,6 +260,7 @@ fn note_stream_created(state: &State, d: Option<&Device>, stream: CuStream, flag
 }
 
 fn note_stream_destroyed(stream: CuStream) {
+    crate::state::stream_destroyed();
     if let Some(state) = serving() {
         for d in state.devices() {
             d.remove_stream(stream as Stream);
@@ -318,7 +324,11 @@ fn mem_free_async(dptr: u64, stream: Stream) -> Option<Status> {
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn cuMemAllocAsync(dptr: *mut u64, bytesize: usize, hStream: CuStream) -> Status {
+pub unsafe extern "C" fn cuMemAllocAsync(
+    dptr: *mut u64,
+    bytesize: usize,
+    hStream: CuStream,
+) -> Status {
     boundary(|| {
         mem_alloc_async(dptr, bytesize, hStream as Stream)
             .unwrap_or_else(|| real_or!(cuMemAllocAsync(dptr, bytesize, hStream), UNKNOWN))
@@ -335,9 +345,17 @@ pub unsafe extern "C" fn cuMemFreeAsync(dptr: u64, hStream: CuStream) -> Status 
 
 /// The per-thread-default-stream variant: stream 0 is the calling thread's stream.
 #[no_mangle]
-pub unsafe extern "C" fn cuMemAllocAsync_ptsz(dptr: *mut u64, bytesize: usize, hStream: CuStream) -> Status {
+pub unsafe extern "C" fn cuMemAllocAsync_ptsz(
+    dptr: *mut u64,
+    bytesize: usize,
+    hStream: CuStream,
+) -> Status {
     boundary(|| {
-        let stream = if hStream.is_null() { STREAM_PER_THREAD } else { hStream as Stream };
+        let stream = if hStream.is_null() {
+            STREAM_PER_THREAD
+        } else {
+            hStream as Stream
+        };
         mem_alloc_async(dptr, bytesize, stream)
             .unwrap_or_else(|| real_or!(cuMemAllocAsync_ptsz(dptr, bytesize, hStream), UNKNOWN))
     })
@@ -347,13 +365,22 @@ pub unsafe extern "C" fn cuMemAllocAsync_ptsz(dptr: *mut u64, bytesize: usize, h
 #[no_mangle]
 pub unsafe extern "C" fn cuMemFreeAsync_ptsz(dptr: u64, hStream: CuStream) -> Status {
     boundary(|| {
-        let stream = if hStream.is_null() { STREAM_PER_THREAD } else { hStream as Stream };
-        mem_free_async(dptr, stream).unwrap_or_else(|| real_or!(cuMemFreeAsync_ptsz(dptr, hStream), UNKNOWN))
+        let stream = if hStream.is_null() {
+            STREAM_PER_THREAD
+        } else {
+            hStream as Stream
+        };
+        mem_free_async(dptr, stream)
+            .unwrap_or_else(|| real_or!(cuMemFreeAsync_ptsz(dptr, hStream), UNKNOWN))
     })
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn cuMemHostAlloc(pp: *mut *mut c_void, bytesize: usize, Flags: c_uint) -> Status {
+pub unsafe extern "C" fn cuMemHostAlloc(
+    pp: *mut *mut c_void,
+    bytesize: usize,
+    Flags: c_uint,
+) -> Status {
     boundary(|| {
         if let Some(s) = serving() {
             // The driver call needs a current context; without one the real call says so.
@@ -426,9 +453,16 @@ pub unsafe extern "C" fn cuStreamCreate(phStream: *mut CuStream, Flags: c_uint) 
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn cuStreamCreateWithPriority(phStream: *mut CuStream, flags: c_uint, priority: c_int) -> Status {
+pub unsafe extern "C" fn cuStreamCreateWithPriority(
+    phStream: *mut CuStream,
+    flags: c_uint,
+    priority: c_int,
+) -> Status {
     boundary(|| {
-        let r = real_or!(cuStreamCreateWithPriority(phStream, flags, priority), UNKNOWN);
+        let r = real_or!(
+            cuStreamCreateWithPriority(phStream, flags, priority),
+            UNKNOWN
+        );
         if r == SUCCESS {
             if let Some(s) = serving() {
                 // SAFETY: the real call succeeded, so the out-pointer was valid and written.
@@ -564,7 +598,11 @@ pub unsafe extern "C" fn cudaFree(devPtr: *mut c_void) -> Status {
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn cudaMallocAsync(devPtr: *mut *mut c_void, size: usize, hStream: CuStream) -> Status {
+pub unsafe extern "C" fn cudaMallocAsync(
+    devPtr: *mut *mut c_void,
+    size: usize,
+    hStream: CuStream,
+) -> Status {
     boundary(|| {
         if let Some(s) = serving() {
             if !devPtr.is_null() && size != 0 {
@@ -583,7 +621,8 @@ pub unsafe extern "C" fn cudaFreeAsync(devPtr: *mut c_void, hStream: CuStream) -
     boundary(|| {
         if let Some(s) = serving() {
             if !devPtr.is_null() {
-                if let Some(r) = free_async(s, "cudaFreeAsync", devPtr as usize, hStream as Stream) {
+                if let Some(r) = free_async(s, "cudaFreeAsync", devPtr as usize, hStream as Stream)
+                {
                     return r;
                 }
             }
@@ -609,7 +648,11 @@ pub unsafe extern "C" fn cudaMallocHost(ptr: *mut *mut c_void, size: usize) -> S
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn cudaHostAlloc(pHost: *mut *mut c_void, size: usize, flags: c_uint) -> Status {
+pub unsafe extern "C" fn cudaHostAlloc(
+    pHost: *mut *mut c_void,
+    size: usize,
+    flags: c_uint,
+) -> Status {
     boundary(|| {
         if let Some(s) = serving() {
             if !pHost.is_null() && size != 0 {
@@ -652,7 +695,10 @@ pub unsafe extern "C" fn cudaMemGetInfo(free: *mut usize, total: *mut usize) -> 
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn cudaStreamCreateWithFlags(pStream: *mut CuStream, flags: c_uint) -> Status {
+pub unsafe extern "C" fn cudaStreamCreateWithFlags(
+    pStream: *mut CuStream,
+    flags: c_uint,
+) -> Status {
     boundary(|| {
         let r = through(|| real_or!(cudaStreamCreateWithFlags(pStream, flags), UNKNOWN));
         if r == SUCCESS {
@@ -667,9 +713,18 @@ pub unsafe extern "C" fn cudaStreamCreateWithFlags(pStream: *mut CuStream, flags
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn cudaStreamCreateWithPriority(pStream: *mut CuStream, flags: c_uint, priority: c_int) -> Status {
+pub unsafe extern "C" fn cudaStreamCreateWithPriority(
+    pStream: *mut CuStream,
+    flags: c_uint,
+    priority: c_int,
+) -> Status {
     boundary(|| {
-        let r = through(|| real_or!(cudaStreamCreateWithPriority(pStream, flags, priority), UNKNOWN));
+        let r = through(|| {
+            real_or!(
+                cudaStreamCreateWithPriority(pStream, flags, priority),
+                UNKNOWN
+            )
+        });
         if r == SUCCESS {
             if let Some(s) = serving() {
                 // SAFETY: the real call succeeded, so the out-pointer was valid and written.

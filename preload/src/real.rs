@@ -71,7 +71,10 @@ extern "C" fn dlsym_decide(handle: *mut c_void, name: *const c_char) -> *mut c_v
     // SAFETY: dlsym's caller passes a NUL-terminated name.
     let name = unsafe { CStr::from_ptr(name) };
     let (ours, slot): (*mut c_void, &AtomicUsize) = match name.to_bytes() {
-        b"cuGetProcAddress_v2" => (crate::hooks::cuGetProcAddress_v2 as *mut c_void, &DRIVER_GPA_V2),
+        b"cuGetProcAddress_v2" => (
+            crate::hooks::cuGetProcAddress_v2 as *mut c_void,
+            &DRIVER_GPA_V2,
+        ),
         b"cuGetProcAddress" => (crate::hooks::cuGetProcAddress as *mut c_void, &DRIVER_GPA),
         _ => return std::ptr::null_mut(),
     };
@@ -120,7 +123,8 @@ fn driver_handle() -> *mut c_void {
     static HANDLE: OnceCell<usize> = OnceCell::new();
     *HANDLE.get_or_init(|| {
         // SAFETY: a NUL-terminated name; a program that calls the driver has it loaded already.
-        let h = unsafe { libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
+        let h =
+            unsafe { libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
         h as usize
     }) as *mut c_void
 }
@@ -192,9 +196,9 @@ real_fns! {
 
 /// The driver's `cuGetProcAddress_v2`: the one a runtime's `dlsym` got, else our handle's.
 #[allow(clippy::type_complexity)]
-pub fn gpa_v2() -> Option<
-    unsafe extern "C" fn(*const c_char, *mut *mut c_void, c_int, u64, *mut c_int) -> Status,
-> {
+pub fn gpa_v2(
+) -> Option<unsafe extern "C" fn(*const c_char, *mut *mut c_void, c_int, u64, *mut c_int) -> Status>
+{
     let mut p = DRIVER_GPA_V2.load(Ordering::Acquire);
     if p == 0 {
         p = driver_fn(c"cuGetProcAddress_v2") as usize;

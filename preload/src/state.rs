@@ -163,6 +163,16 @@ static STATE: OnceCell<Option<State>> = OnceCell::new();
 thread_local! {
     /// The last context seen current on this thread and its device (or `usize::MAX`).
     static LAST_CONTEXT: std::cell::Cell<(usize, usize)> = const { std::cell::Cell::new((0, usize::MAX)) };
+    /// The last stream this thread allocated on, its device, and [`STREAM_GENERATION`] then.
+    static LAST_STREAM: std::cell::Cell<(usize, usize, u64)> = const { std::cell::Cell::new((0, usize::MAX, u64::MAX)) };
+}
+
+/// Bumped whenever a stream is destroyed: a handle may name another stream afterwards.
+static STREAM_GENERATION: AtomicU64 = AtomicU64::new(0);
+
+/// Forgets what the threads know about stream handles (one was destroyed).
+pub fn stream_destroyed() {
+    STREAM_GENERATION.fetch_add(1, Relaxed);
 }
 
 impl State {
@@ -173,7 +183,9 @@ impl State {
             .get_or_init(|| match State::build() {
                 Ok(s) => Some(s),
                 Err(e) => {
-                    eprintln!("tensoralloc preload: disabled, every call goes to CUDA unchanged: {e}");
+                    eprintln!(
+                        "tensoralloc preload: disabled, every call goes to CUDA unchanged: {e}"
+                    );
                     None
                 }
             })
@@ -220,7 +232,9 @@ impl State {
                 closed_batches: AtomicUsize::new(0),
             })
         })
-        .map_err(|e| eprintln!("tensoralloc preload: device {index} unusable, its calls pass through: {e}"))
+        .map_err(|e| {
+            eprintln!("tensoralloc preload: device {index} unusable, its calls pass through: {e}")
+        })
         .ok()
     }
 
@@ -280,6 +294,17 @@ impl State {
     /// The device of a stream handle (other than the special handles 0, 1, 2), when it
     /// belongs to a primary context.
     pub fn stream_device(&self, stream: Stream) -> Option<&Device> {
+        let generation = STREAM_GENERATION.load(Relaxed);
+        let (last, dev, seen) = LAST_STREAM.with(|c| c.get());
+        if last == stream && seen == generation {
+            return self.devices.get(dev)?.get();
+        }
+        let d = self.stream_device_uncached(stream)?;
+        LAST_STREAM.with(|c| c.set((stream, d.index, generation)));
+        Some(d)
+    }
+
+    fn stream_device_uncached(&self, stream: Stream) -> Option<&Device> {
         let get = real::cuStreamGetCtx()?;
         let mut ctx: CuContext = std::ptr::null_mut();
         // SAFETY: a valid out-pointer; the driver validates the handle.
@@ -317,7 +342,12 @@ impl State {
     }
 
     /// Allocates in `stream`'s order.
-    pub fn malloc_async(&self, d: &Device, size: usize, stream: Stream) -> tensoralloc::Result<usize> {
+    pub fn malloc_async(
+        &self,
+        d: &Device,
+        size: usize,
+        stream: Stream,
+    ) -> tensoralloc::Result<usize> {
         let ptr = match d.alloc.malloc(size, stream) {
             Err(Error::OutOfMemory(_)) if d.pending.load(Relaxed) != 0 => {
                 d.reclaim(self, true);
@@ -445,7 +475,10 @@ impl Device {
     fn release(&self, ptr: usize) {
         self.pending.fetch_sub(1, Relaxed);
         if let Err(e) = self.alloc.free(ptr, None) {
-            eprintln!("tensoralloc preload: device {}: returning {ptr:#x} to the cache failed: {e}", self.index);
+            eprintln!(
+                "tensoralloc preload: device {}: returning {ptr:#x} to the cache failed: {e}",
+                self.index
+            );
         }
     }
 
@@ -454,7 +487,9 @@ impl Device {
         if g.open.is_empty() {
             return;
         }
-        let streams: Vec<Stream> = std::iter::once(0).chain(g.nonblocking.iter().copied()).collect();
+        let streams: Vec<Stream> = std::iter::once(0)
+            .chain(g.nonblocking.iter().copied())
+            .collect();
         let mut markers = Vec::with_capacity(streams.len());
         let mut failed = false;
         for s in streams {
@@ -467,7 +502,10 @@ impl Device {
                 Err(_) => failed = true,
             }
         }
-        state.counters.markers.fetch_add(markers.len() as u64, Relaxed);
+        state
+            .counters
+            .markers
+            .fetch_add(markers.len() as u64, Relaxed);
         let ptrs = std::mem::take(&mut g.open);
         let bytes = std::mem::replace(&mut g.open_bytes, 0);
         if failed {
@@ -526,15 +564,21 @@ impl Device {
     /// Blocks waiting for a marker, and batches in flight (for the statistics).
     fn deferred_summary(&self) -> (usize, usize, usize) {
         let g = self.deferred.lock();
-        (g.open.len() + g.closed.iter().map(|b| b.ptrs.len()).sum::<usize>(), g.closed.len(), g.held)
+        (
+            g.open.len() + g.closed.iter().map(|b| b.ptrs.len()).sum::<usize>(),
+            g.closed.len(),
+            g.held,
+        )
     }
 }
 
 /// Retains device `index`'s primary context and returns its handle.
 fn retain_primary(index: usize) -> tensoralloc::Result<usize> {
-    let fail = |what: &str, code: Status| Error::Driver(format!("{what} failed with CUDA error {code}"));
+    let fail =
+        |what: &str, code: Status| Error::Driver(format!("{what} failed with CUDA error {code}"));
     let get = real::cuDeviceGet().ok_or_else(|| fail("finding cuDeviceGet", -1))?;
-    let retain = real::cuDevicePrimaryCtxRetain().ok_or_else(|| fail("finding cuDevicePrimaryCtxRetain", -1))?;
+    let retain = real::cuDevicePrimaryCtxRetain()
+        .ok_or_else(|| fail("finding cuDevicePrimaryCtxRetain", -1))?;
     let mut dev: c_int = 0;
     let mut ctx: CuContext = std::ptr::null_mut();
     // SAFETY: valid out-pointers; the ordinal is below the driver's device count.

@@ -47,7 +47,9 @@ fn fake_dir() -> &'static Path {
 fn cuda_include() -> PathBuf {
     let dir = std::env::var_os("CUDA_INCLUDE_DIR")
         .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/cuda-include"));
+        .unwrap_or_else(|| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/cuda-include")
+        });
     assert!(
         dir.join("cuda.h").is_file(),
         "NVIDIA's cuda.h is not in {}: run scripts/fetch-cuda-headers",
@@ -164,11 +166,23 @@ fn both(name: &'static str, args: &[&str]) -> (Run, Run) {
 fn a_driver_api_program_gets_the_same_results_and_cached_allocations() {
     let (plain, preloaded) = both("driver_direct", &["pairs"]);
     assert_eq!(plain.count("sync pairs mem_alloc"), 10_000);
-    assert!(preloaded.count("sync pairs mem_alloc") <= 2, "{}", preloaded.stdout);
+    assert!(
+        preloaded.count("sync pairs mem_alloc") <= 2,
+        "{}",
+        preloaded.stdout
+    );
     assert_eq!(plain.count("async pairs mem_alloc"), 10_000);
-    assert!(preloaded.count("async pairs mem_alloc") <= 2, "{}", preloaded.stdout);
+    assert!(
+        preloaded.count("async pairs mem_alloc") <= 2,
+        "{}",
+        preloaded.stdout
+    );
     assert_eq!(plain.count("host pairs host_alloc"), 2_000);
-    assert!(preloaded.count("host pairs host_alloc") <= 2, "{}", preloaded.stdout);
+    assert!(
+        preloaded.count("host pairs host_alloc") <= 2,
+        "{}",
+        preloaded.stdout
+    );
     assert!(preloaded.stderr.is_empty(), "{}", preloaded.stderr);
 }
 
@@ -176,11 +190,23 @@ fn a_driver_api_program_gets_the_same_results_and_cached_allocations() {
 fn a_program_reaching_the_driver_through_cu_get_proc_address_is_served_too() {
     let (plain, preloaded) = both("procaddr", &[]);
     assert_eq!(plain.count("sync pairs mem_alloc"), 10_000);
-    assert!(preloaded.count("sync pairs mem_alloc") <= 2, "{}", preloaded.stdout);
+    assert!(
+        preloaded.count("sync pairs mem_alloc") <= 2,
+        "{}",
+        preloaded.stdout
+    );
     assert_eq!(plain.count("async pairs mem_alloc"), 10_000);
-    assert!(preloaded.count("async pairs mem_alloc") <= 2, "{}", preloaded.stdout);
+    assert!(
+        preloaded.count("async pairs mem_alloc") <= 2,
+        "{}",
+        preloaded.stdout
+    );
     assert_eq!(plain.count("host pairs host_alloc"), 1_000);
-    assert!(preloaded.count("host pairs host_alloc") <= 2, "{}", preloaded.stdout);
+    assert!(
+        preloaded.count("host pairs host_alloc") <= 2,
+        "{}",
+        preloaded.stdout
+    );
     assert!(preloaded.stderr.is_empty(), "{}", preloaded.stderr);
 }
 
@@ -272,5 +298,9 @@ fn statistics_are_printed_at_exit_when_asked() {
         r.stderr
     );
     assert!(r.stderr.contains("2 invalid frees"), "{}", r.stderr);
-    assert!(r.stderr.contains("device 0: 1 driver allocations"), "{}", r.stderr);
+    assert!(
+        r.stderr.contains("device 0: 1 driver allocations"),
+        "{}",
+        r.stderr
+    );
 }
