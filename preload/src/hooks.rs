@@ -53,6 +53,15 @@ fn serving() -> Option<&'static State> {
     State::get()
 }
 
+/// The state when a free should be checked: also inside a real runtime call, since the
+/// runtime may free there a block it got from the hooks earlier.
+fn serving_frees() -> Option<&'static State> {
+    if !crate::enabled() {
+        return None;
+    }
+    State::get()
+}
+
 /// Runs a hook body; a panic becomes `UNKNOWN` (999) instead of unwinding into C.
 fn boundary(body: impl FnOnce() -> Status) -> Status {
     std::panic::catch_unwind(std::panic::AssertUnwindSafe(body)).unwrap_or(UNKNOWN)
@@ -289,7 +298,7 @@ pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut u64, bytesize: usize) -> Statu
 #[no_mangle]
 pub unsafe extern "C" fn cuMemFree_v2(dptr: u64) -> Status {
     boundary(|| {
-        if let Some(s) = serving() {
+        if let Some(s) = serving_frees() {
             if dptr != 0 {
                 if let Some(r) = free_sync(s, "cuMemFree", dptr as usize) {
                     return r;
@@ -313,7 +322,7 @@ fn mem_alloc_async(dptr: *mut u64, bytesize: usize, stream: Stream) -> Option<St
 }
 
 fn mem_free_async(dptr: u64, stream: Stream) -> Option<Status> {
-    let s = serving()?;
+    let s = serving_frees()?;
     if dptr != 0 {
         if let Some(r) = free_async(s, "cuMemFreeAsync", dptr as usize, stream) {
             return Some(r);
@@ -413,7 +422,7 @@ pub unsafe extern "C" fn cuMemAllocHost_v2(pp: *mut *mut c_void, bytesize: usize
 #[no_mangle]
 pub unsafe extern "C" fn cuMemFreeHost(p: *mut c_void) -> Status {
     boundary(|| {
-        if let Some(s) = serving() {
+        if let Some(s) = serving_frees() {
             if !p.is_null() {
                 if let Some(r) = host_free(s, "cuMemFreeHost", p as usize) {
                     return r;

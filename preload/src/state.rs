@@ -23,6 +23,7 @@ use std::sync::Arc;
 use once_cell::sync::OnceCell;
 use parking_lot::Mutex;
 use tensoralloc::config::Config;
+use tensoralloc::device::size::round_size_with;
 use tensoralloc::device::DeviceAllocator;
 use tensoralloc::driver::cuda::CudaDriver;
 use tensoralloc::driver::{Driver, Event, Stream};
@@ -94,6 +95,7 @@ impl<V> PtrMap<V> {
 #[derive(Clone, Copy)]
 pub struct Live {
     pub device: u32,
+    /// The size of its block (the request rounded as the allocator rounds it).
     pub size: usize,
     /// The pool it came from: a stream handle, or [`SYNC_POOL`].
     pub pool: Stream,
@@ -360,6 +362,7 @@ impl State {
     }
 
     fn handed_out(&self, d: &Device, ptr: usize, size: usize, pool: Stream) {
+        let size = round_size_with(size, self.config.divisions_for(size));
         self.live.insert(
             ptr,
             Live {

@@ -244,6 +244,24 @@ fn a_freed_block_waits_for_work_queued_before_the_free() {
 }
 
 #[test]
+fn a_bad_configuration_is_said_once_and_every_call_passes_through() {
+    let exe = program("driver_direct");
+    let r = run_with(
+        &exe,
+        &["pairs"],
+        true,
+        &[("TENSORALLOC_CONF", "no_such_option:1")],
+    );
+    assert_eq!(r.count("sync pairs mem_alloc"), 10_000);
+    assert_eq!(
+        r.stderr.matches("tensoralloc preload: disabled").count(),
+        1,
+        "{}",
+        r.stderr
+    );
+}
+
+#[test]
 fn preload_off_passes_every_call_through() {
     let exe = program("driver_direct");
     let off = run_with(&exe, &["pairs"], true, &[("TENSORALLOC_PRELOAD", "off")]);
