@@ -9,9 +9,8 @@ use std::ffi::{c_char, c_int, c_uint, c_void, CStr, CString};
 
 use once_cell::sync::OnceCell;
 use tensoralloc::driver::{sim, Driver};
-use tensoralloc::Error;
 
-use crate::state::{count, Counter, Fake};
+use crate::state::{count, with_stack, Counter, Fake};
 use crate::types::*;
 use crate::{guard, put};
 
@@ -83,22 +82,20 @@ fn get_proc_address(
     found.map(|_| ()).ok_or(CUDA_ERROR_NOT_FOUND)
 }
 
-/// Allocates like `cuMemAlloc` for a stream of the current context.
+/// Allocates like `cuMemAlloc`, on the device of a stream of the current context.
 fn alloc_on(dptr: *mut CUdeviceptr, bytesize: usize, stream: CUstream) -> Result<(), CUresult> {
     let fake = Fake::get()?;
     fake.current_device()?;
     let d = fake.stream_device(stream)?;
-    if dptr.is_null() || bytesize == 0 {
-        return Err(CUDA_ERROR_INVALID_VALUE);
+    // The stream's context is current for the allocation, as on the driver.
+    with_stack(|s| s.push(d));
+    // SAFETY: the caller's contract is the same as for cuMemAlloc.
+    let r = unsafe { crate::cuMemAlloc_v2(dptr, bytesize) };
+    with_stack(|s| s.pop());
+    match r {
+        CUDA_SUCCESS => Ok(()),
+        code => Err(code),
     }
-    let p = fake.sim.mem_alloc(d, bytesize).map_err(|e| match e {
-        Error::OutOfMemory(_) => CUDA_ERROR_OUT_OF_MEMORY,
-        _ => CUDA_ERROR_INVALID_VALUE,
-    })?;
-    fake.allocations.lock().insert(p as u64, (d, bytesize));
-    count(Counter::MemAlloc);
-    // SAFETY: checked non-NULL; the caller passes a valid out-pointer.
-    unsafe { put(dptr, p as CUdeviceptr) }
 }
 
 driver_api! {
