@@ -1,5 +1,6 @@
 //! Entry points that CUDA runtimes reach the driver through: `cuGetProcAddress` (both ABIs),
-//! the stream-ordered allocation calls, `cuMemAllocHost`, and the synchronising calls.
+//! the stream-ordered allocation calls, `cuMemAllocHost`, `cuCtxSynchronize` and
+//! `cuStreamCreateWithPriority`.
 //!
 //! `cuGetProcAddress` answers with this library's own definitions (looked up through its own
 //! `dlopen` handle, never the global scope), so a library that interposes on the driver sees
@@ -134,16 +135,6 @@ driver_api! {
     fn cuCtxSynchronize() {
         Fake::get()?.current_device()?;
         sim::release_all_streams();
-        Ok(())
-    }
-
-    /// Waits for the work of one stream: completes the events recorded on it.
-    fn cuStreamSynchronize(hStream: CUstream) {
-        Fake::get()?.stream_device(hStream)?;
-        if sim::stream_is_held(hStream as usize) {
-            sim::release_stream(hStream as usize);
-            sim::hold_stream(hStream as usize);
-        }
         Ok(())
     }
 

@@ -16,9 +16,13 @@ use std::process::Command;
 use fakecuda::entry::LEGACY_EXPORTS;
 use fakecuda::types::{FIELD_OFFSETS, TYPE_SIZES};
 
-/// Every exported driver function with the prototype `cuda.h` declares by default.
+/// Every exported driver function with the prototype `cuda.h` declares by default, from each
+/// module that defines some.
 fn exports() -> impl Iterator<Item = &'static (&'static str, &'static [&'static str])> {
-    fakecuda::EXPORTS.iter().chain(fakecuda::entry::EXPORTS)
+    fakecuda::EXPORTS
+        .iter()
+        .chain(fakecuda::memops::EXPORTS)
+        .chain(fakecuda::entry::EXPORTS)
 }
 
 /// NVIDIA's header directory: `$CUDA_INCLUDE_DIR`, else the workspace's `target/cuda-include`,
@@ -56,6 +60,7 @@ fn c_type(rust: &str) -> String {
         "usize" => "size_t",
         "c_int" => "int",
         "c_uint" => "unsigned int",
+        "c_uchar" => "unsigned char",
         "c_ulonglong" => "unsigned long long",
         "c_char" => "char",
         "cuuint64_t" => "cuuint64_t",
