@@ -101,12 +101,10 @@ pub struct Live {
     pub pool: Stream,
 }
 
-/// Event counts shown at exit.
+/// Event counts shown at exit, for the paths that are not hot (the allocator's own statistics
+/// count allocations and frees, without a process-wide counter every thread would write).
 #[derive(Default)]
 pub struct Counters {
-    pub served: AtomicU64,
-    pub freed: AtomicU64,
-    pub deferred: AtomicU64,
     pub markers: AtomicU64,
     pub syncs: AtomicU64,
     pub passed_through: AtomicU64,
@@ -126,6 +124,8 @@ struct Deferred {
     /// not wait for: each batch records a marker on each of them too.
     nonblocking: HashSet<usize>,
     spare_events: Vec<Event>,
+    /// Frees ever deferred.
+    deferred_total: u64,
 }
 
 struct Batch {
@@ -371,17 +371,15 @@ impl State {
                 pool,
             },
         );
-        self.counters.served.fetch_add(1, Relaxed);
     }
 
     /// Frees with `cudaFree`'s meaning: the block waits for a marker of a later batch.
     pub fn free_sync(&self, ptr: usize, live: Live) {
-        self.counters.freed.fetch_add(1, Relaxed);
         let Some(d) = self.device(live.device as usize) else {
             return;
         };
-        self.counters.deferred.fetch_add(1, Relaxed);
         let mut g = d.deferred.lock();
+        g.deferred_total += 1;
         g.open.push(ptr);
         g.open_bytes += live.size;
         g.held += live.size;
@@ -393,7 +391,6 @@ impl State {
 
     /// Frees in `stream`'s order (`cudaFreeAsync`).
     pub fn free_async(&self, ptr: usize, live: Live, stream: Stream) -> tensoralloc::Result<()> {
-        self.counters.freed.fetch_add(1, Relaxed);
         let d = self
             .device(live.device as usize)
             .ok_or_else(|| Error::Internal(format!("device {} vanished", live.device)))?;
@@ -564,14 +561,12 @@ impl Device {
         self.deferred.lock().nonblocking.remove(&stream);
     }
 
-    /// Blocks waiting for a marker, and batches in flight (for the statistics).
-    fn deferred_summary(&self) -> (usize, usize, usize) {
+    /// Frees deferred so far, blocks waiting for a marker, batches in flight, and bytes held
+    /// (for the statistics).
+    fn deferred_summary(&self) -> (u64, usize, usize, usize) {
         let g = self.deferred.lock();
-        (
-            g.open.len() + g.closed.iter().map(|b| b.ptrs.len()).sum::<usize>(),
-            g.closed.len(),
-            g.held,
-        )
+        let waiting = g.open.len() + g.closed.iter().map(|b| b.ptrs.len()).sum::<usize>();
+        (g.deferred_total, waiting, g.closed.len(), g.held)
     }
 }
 
@@ -612,23 +607,16 @@ impl State {
         use std::fmt::Write as _;
         let c = &self.counters;
         let mut t = String::new();
-        let _ = writeln!(
-            t,
-            "tensoralloc preload: {} device allocations served, {} freed ({} deferred to {} batch markers, {} device synchronisations), {} calls passed through, {} invalid frees, {} pinned-host allocations served",
-            c.served.load(Relaxed),
-            c.freed.load(Relaxed),
-            c.deferred.load(Relaxed),
-            c.markers.load(Relaxed),
-            c.syncs.load(Relaxed),
-            c.passed_through.load(Relaxed),
-            c.invalid_frees.load(Relaxed),
-            c.host_served.load(Relaxed),
-        );
+        let mut served = 0;
+        let mut deferred = 0;
+        let mut lines = String::new();
         for d in self.devices() {
             let s = d.alloc.stats();
-            let (waiting, batches, held) = d.deferred_summary();
+            let (total, waiting, batches, held) = d.deferred_summary();
+            served += s.allocation[0].allocated;
+            deferred += total;
             let _ = writeln!(
-                t,
+                lines,
                 "tensoralloc preload: device {}: {} driver allocations, {} driver frees, {} bytes reserved ({} peak), {} bytes allocated ({} peak), {} blocks ({} bytes) waiting in {} batches in flight",
                 d.index,
                 s.num_device_alloc,
@@ -642,6 +630,16 @@ impl State {
                 batches,
             );
         }
+        let _ = writeln!(
+            t,
+            "tensoralloc preload: {served} device allocations served, {deferred} cudaFree/cuMemFree calls deferred to {} batch markers, {} device synchronisations, {} calls passed through, {} invalid frees, {} pinned-host allocations served",
+            c.markers.load(Relaxed),
+            c.syncs.load(Relaxed),
+            c.passed_through.load(Relaxed),
+            c.invalid_frees.load(Relaxed),
+            c.host_served.load(Relaxed),
+        );
+        t.push_str(&lines);
         if let Some(h) = self.host.get() {
             let s = h.stats();
             let _ = writeln!(
