@@ -13,17 +13,9 @@ use std::fmt::Write as _;
 use std::path::PathBuf;
 use std::process::Command;
 
+use fakecuda::all_exports;
 use fakecuda::entry::LEGACY_EXPORTS;
 use fakecuda::types::{FIELD_OFFSETS, TYPE_SIZES};
-
-/// Every exported driver function with the prototype `cuda.h` declares by default, from each
-/// module that defines some.
-fn exports() -> impl Iterator<Item = &'static (&'static str, &'static [&'static str])> {
-    fakecuda::EXPORTS
-        .iter()
-        .chain(fakecuda::memops::EXPORTS)
-        .chain(fakecuda::entry::EXPORTS)
-}
 
 /// NVIDIA's header directory: `$CUDA_INCLUDE_DIR`, else the workspace's `target/cuda-include`,
 /// which `scripts/fetch-cuda-headers` fills from the `nvidia-cuda-runtime` wheel.
@@ -63,8 +55,8 @@ fn c_type(rust: &str) -> String {
         "c_uchar" => "unsigned char",
         "c_ulonglong" => "unsigned long long",
         "c_char" => "char",
-        "cuuint64_t" => "cuuint64_t",
         "c_void" => "void",
+        "cuuint64_t" => "cuuint64_t",
         // The fake's own types carry cuda.h's names.
         name => {
             assert!(
@@ -132,7 +124,7 @@ fn check_source<'a>(
 
 #[test]
 fn every_export_has_nvidias_prototype() {
-    compile_check(&check_source(exports(), false), "current");
+    compile_check(&check_source(all_exports(), false), "current");
 }
 
 #[test]
@@ -191,7 +183,10 @@ fn every_exported_driver_symbol_is_checked() {
         .output()
         .expect("run nm (binutils)");
     assert!(out.status.success(), "nm failed on {}", lib.display());
-    let listed: Vec<&str> = exports().chain(LEGACY_EXPORTS).map(|(n, _)| *n).collect();
+    let listed: Vec<&str> = all_exports()
+        .chain(LEGACY_EXPORTS)
+        .map(|(n, _)| *n)
+        .collect();
     let exported: Vec<String> = String::from_utf8_lossy(&out.stdout)
         .lines()
         .filter_map(|l| l.split_whitespace().last())
