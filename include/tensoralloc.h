@@ -30,6 +30,22 @@ typedef struct CUstream_st CUstream_st;
 #define TENSORALLOC_STAT_LARGE_POOL 2
 
 /**
+ * The major version of this header (the `X` of `X.Y.Z`). Equal to what
+ * `tensoralloc_version()` reports when the header and the loaded library match.
+ */
+#define TENSORALLOC_VERSION_MAJOR 0
+
+/**
+ * The minor version of this header (the `Y` of `X.Y.Z`).
+ */
+#define TENSORALLOC_VERSION_MINOR 1
+
+/**
+ * The patch version of this header (the `Z` of `X.Y.Z`).
+ */
+#define TENSORALLOC_VERSION_PATCH 0
+
+/**
  * Work budget of the default algorithm's search when the greedy orders miss the lower
  * bound (a few milliseconds).
  */
@@ -883,6 +899,14 @@ tensoralloc_status tensoralloc_sim_release_stream(CUstream_st *stream);
  * the device does not exist, or no simulated device is in use.
  */
 tensoralloc_status tensoralloc_sim_device_used(int32_t device, uint64_t *out);
+
+/**
+ * The loaded library's version as a NUL-terminated string, `"MAJOR.MINOR.PATCH"` (for example
+ * `"0.1.0"`). The string is static: the caller must not free or modify it, and it stays valid
+ * for the life of the process. Never NULL, never fails; an installed library's SONAME
+ * (`libtensoralloc.so.MAJOR`, see `scripts/install`) carries the same major version.
+ */
+const char *tensoralloc_version(void);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -87,6 +87,9 @@ macro_rules! driver_api {
     };
 }
 
+// Modules that define driver functions with `driver_api!` come after the macro (textual scope).
+pub mod memops;
+
 driver_api! {
     /// Initializes the fake driver. `Flags` must be 0.
     fn cuInit(Flags: c_uint) {

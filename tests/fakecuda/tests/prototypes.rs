@@ -14,7 +14,11 @@ use std::path::PathBuf;
 use std::process::Command;
 
 use fakecuda::types::{FIELD_OFFSETS, TYPE_SIZES};
-use fakecuda::EXPORTS;
+
+/// Every exported driver function, from each module that defines some.
+fn exports() -> impl Iterator<Item = &'static (&'static str, &'static [&'static str])> {
+    fakecuda::EXPORTS.iter().chain(fakecuda::memops::EXPORTS)
+}
 
 /// NVIDIA's header directory: `$CUDA_INCLUDE_DIR`, else the workspace's `target/cuda-include`,
 /// which `scripts/fetch-cuda-headers` fills from the `nvidia-cuda-runtime` wheel.
@@ -51,6 +55,7 @@ fn c_type(rust: &str) -> String {
         "usize" => "size_t",
         "c_int" => "int",
         "c_uint" => "unsigned int",
+        "c_uchar" => "unsigned char",
         "c_ulonglong" => "unsigned long long",
         "c_char" => "char",
         "c_void" => "void",
@@ -91,7 +96,7 @@ fn check_source() -> String {
         .unwrap();
     }
     c.push_str("\nvoid fakecuda_prototypes(void);\nvoid fakecuda_prototypes(void) {\n");
-    for (name, params) in EXPORTS {
+    for (name, params) in exports() {
         let params = if params.is_empty() {
             "void".to_string()
         } else {
@@ -161,7 +166,7 @@ fn every_exported_driver_symbol_is_checked() {
         .output()
         .expect("run nm (binutils)");
     assert!(out.status.success(), "nm failed on {}", lib.display());
-    let listed: Vec<&str> = EXPORTS.iter().map(|(n, _)| *n).collect();
+    let listed: Vec<&str> = exports().map(|(n, _)| *n).collect();
     let exported: Vec<String> = String::from_utf8_lossy(&out.stdout)
         .lines()
         .filter_map(|l| l.split_whitespace().last())
