@@ -66,13 +66,7 @@ fn challenging(name: &str) -> Vec<Allocation> {
         .join("../shared/planner")
         .join(format!("{name}.1048576.csv"));
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path:?}: {e}"));
-    text.lines()
-        .skip(1)
-        .map(|line| {
-            let v: Vec<u64> = line.split(',').map(|x| x.trim().parse().unwrap()).collect();
-            Allocation::new(v[3], v[1], v[2] - 1)
-        })
-        .collect()
+    traces::minimalloc_csv(&text).unwrap()
 }
 
 /// Prints, for each challenging instance, the default's and PyTorch's ratio to the lower

@@ -7,7 +7,8 @@
 use std::path::PathBuf;
 
 use tensoralloc::plan::{
-    lower_bound, plan_offsets, plan_offsets_with, validate, Algorithm, Allocation, PlanOptions,
+    lower_bound, plan_offsets, plan_offsets_with, traces, validate, Algorithm, Allocation,
+    PlanOptions,
 };
 
 const NAMES: [&str; 11] = ["A", "B", "C", "D", "E", "F", "G", "H", "I", "J", "K"];
@@ -17,13 +18,7 @@ fn instance(name: &str) -> Vec<Allocation> {
         .join("../shared/planner")
         .join(format!("{name}.1048576.csv"));
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path:?}: {e}"));
-    text.lines()
-        .skip(1)
-        .map(|line| {
-            let v: Vec<u64> = line.split(',').map(|x| x.trim().parse().unwrap()).collect();
-            Allocation::new(v[3], v[1], v[2] - 1)
-        })
-        .collect()
+    traces::minimalloc_csv(&text).unwrap()
 }
 
 fn budget(work: u64) -> PlanOptions {
@@ -306,4 +301,17 @@ mod capi {
         assert!(last_error().contains("result"));
         assert_eq!(offsets, [7; 3]);
     }
+}
+
+#[test]
+fn minimalloc_csv_rows_become_inclusive_lifetimes_and_bad_rows_are_named() {
+    let allocs = traces::minimalloc_csv("id,lower,upper,size\n0,5,9,100\n1,0,1,7\n").unwrap();
+    assert_eq!(
+        allocs,
+        vec![Allocation::new(100, 5, 8), Allocation::new(7, 0, 0)]
+    );
+    let err = traces::minimalloc_csv("id,lower,upper,size\n0,5,5,100\n").unwrap_err();
+    assert!(err.to_string().contains("line 2"), "{err}");
+    assert!(traces::minimalloc_csv("h\n0,1,x,3\n").is_err());
+    assert!(traces::minimalloc_csv("h\n0,1,2\n").is_err());
 }

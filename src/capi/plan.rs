@@ -11,8 +11,8 @@ use crate::plan::memory::{DeviceMemory, HostMemory, MemorySource};
 use crate::plan::profiling::{ProfilePlan, Profiler};
 use crate::plan::storage::{StoragePlanner, StorageValue};
 use crate::plan::{
-    lower_bound, plan_offsets, plan_offsets_with, validate, Algorithm, Allocation, OffsetPlan,
-    PlanOptions,
+    lower_bound, plan_offsets_with, validate, Algorithm, Allocation, OffsetPlan, PlanOptions,
+    PlanOutcome,
 };
 
 /// Reads `n` elements at `p`; NULL is accepted only when `n` is 0.
@@ -65,6 +65,38 @@ fn out_is_set<T>(p: *mut T, what: &str) -> Result<()> {
     Ok(())
 }
 
+/// Plans the allocations of three parallel arrays with `options` and writes `offsets[0..n]`;
+/// `out_checked` is the caller's check of its other output, reported after the input's faults
+/// and before anything is written.
+///
+/// # Safety
+/// As for `tensoralloc_plan_offsets_ex`: each array NULL or `n` readable values, `algorithm`
+/// NULL or NUL-terminated, `offsets` NULL or room for `n` values.
+unsafe fn plan_into(
+    (n, sizes, first_use, last_use): (usize, *const u64, *const u64, *const u64),
+    alignment: u64,
+    algorithm: *const c_char,
+    options: &PlanOptions,
+    offsets: *mut u64,
+    out_checked: Result<()>,
+) -> Result<PlanOutcome> {
+    // SAFETY: the caller promises `n` readable values behind each non-NULL array.
+    let allocs = unsafe { allocations(n, sizes, first_use, last_use)? };
+    // SAFETY: the caller promises a NUL-terminated string when not NULL.
+    let name = unsafe { opt_str(algorithm, "algorithm")? };
+    let algorithm = name.map_or(Ok(Algorithm::Best), Algorithm::from_name)?;
+    if n > 0 {
+        out_is_set(offsets, "offsets")?;
+    }
+    out_checked?;
+    let outcome = plan_offsets_with(&allocs, alignment, algorithm, options)?;
+    if n > 0 {
+        // SAFETY: `offsets` is non-NULL and the caller promises room for `n` values.
+        unsafe { std::ptr::copy_nonoverlapping(outcome.plan.offsets.as_ptr(), offsets, n) };
+    }
+    Ok(outcome)
+}
+
 /// Lays out `n` allocations in one arena. Allocation `i` has `sizes[i]` bytes and is live from
 /// time step `first_use[i]` to `last_use[i]` inclusive; allocations `i` and `j` are live
 /// together when `first_use[i] <= last_use[j] && first_use[j] <= last_use[i]`, and then never
@@ -99,22 +131,20 @@ pub extern "C" fn tensoralloc_plan_offsets(
 ) -> tensoralloc_status {
     ffi_boundary! {
         let run = || -> Result<()> {
-            // SAFETY: the caller promises `n` readable values behind each non-NULL array.
-            let allocs = unsafe { allocations(n, sizes, first_use, last_use)? };
-            // SAFETY: the caller promises a NUL-terminated string when not NULL.
-            let name = unsafe { opt_str(algorithm, "algorithm")? };
-            let algorithm = name.map_or(Ok(Algorithm::Best), Algorithm::from_name)?;
-            if n > 0 {
-                out_is_set(offsets, "offsets")?;
-            }
-            out_is_set(arena_size, "arena_size")?;
-            let plan = plan_offsets(&allocs, alignment, algorithm)?;
-            if n > 0 {
-                // SAFETY: `offsets` is non-NULL and the caller promises room for `n` values.
-                unsafe { std::ptr::copy_nonoverlapping(plan.offsets.as_ptr(), offsets, n) };
-            }
+            let defaults = PlanOptions::default();
+            // SAFETY: forwarded from the caller.
+            let outcome = unsafe {
+                plan_into(
+                    (n, sizes, first_use, last_use),
+                    alignment,
+                    algorithm,
+                    &defaults,
+                    offsets,
+                    out_is_set(arena_size, "arena_size"),
+                )?
+            };
             // SAFETY: non-NULL, and the caller promises a writable uint64_t.
-            unsafe { arena_size.write(plan.arena_size) };
+            unsafe { arena_size.write(outcome.plan.arena_size) };
             Ok(())
         };
         status(run())
@@ -171,30 +201,25 @@ pub extern "C" fn tensoralloc_plan_offsets_ex(
 ) -> tensoralloc_status {
     ffi_boundary! {
         let run = || -> Result<()> {
-            // SAFETY: the caller promises `n` readable values behind each non-NULL array.
-            let allocs = unsafe { allocations(n, sizes, first_use, last_use)? };
-            // SAFETY: the caller promises a NUL-terminated string when not NULL.
-            let name = unsafe { opt_str(algorithm, "algorithm")? };
-            let algorithm = name.map_or(Ok(Algorithm::Best), Algorithm::from_name)?;
             // SAFETY: the caller promises a readable struct when not NULL.
             let options = unsafe { options.as_ref() }.copied().unwrap_or_default();
-            if n > 0 {
-                out_is_set(offsets, "offsets")?;
-            }
-            out_is_set(result, "result")?;
             let plan_options = PlanOptions {
                 work_budget: (options.work_budget > 0).then_some(options.work_budget),
                 time_limit: (options.time_limit_ms > 0)
                     .then(|| std::time::Duration::from_millis(options.time_limit_ms)),
             };
-            let bound = lower_bound(&allocs, alignment)?;
-            let outcome = plan_offsets_with(&allocs, alignment, algorithm, &plan_options)?;
-            if n > 0 {
-                // SAFETY: `offsets` is non-NULL and the caller promises room for `n` values.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(outcome.plan.offsets.as_ptr(), offsets, n)
-                };
-            }
+            // SAFETY: forwarded from the caller.
+            let (outcome, bound) = unsafe {
+                let outcome = plan_into(
+                    (n, sizes, first_use, last_use),
+                    alignment,
+                    algorithm,
+                    &plan_options,
+                    offsets,
+                    out_is_set(result, "result"),
+                )?;
+                (outcome, lower_bound(&allocations(n, sizes, first_use, last_use)?, alignment)?)
+            };
             // SAFETY: non-NULL, and the caller promises a writable struct.
             unsafe {
                 result.write(tensoralloc_plan_result {
