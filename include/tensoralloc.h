@@ -49,12 +49,12 @@ typedef struct CUstream_st CUstream_st;
  * Work budget of the default algorithm's search when the greedy orders miss the lower
  * bound (a few milliseconds).
  */
-#define DEFAULT_BEST_WORK 1000000
+#define PlanOptions_DEFAULT_BEST_WORK 1000000
 
 /**
  * Work budget of [`Algorithm::Exact`] when the caller gives none (about a minute at most).
  */
-#define DEFAULT_EXACT_WORK 4000000000
+#define PlanOptions_DEFAULT_EXACT_WORK 4000000000
 
 /**
  * A profiling allocator (opaque). Made by `tensoralloc_profiling_new`, released by
