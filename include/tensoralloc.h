@@ -46,17 +46,6 @@ typedef struct CUstream_st CUstream_st;
 #define TENSORALLOC_VERSION_PATCH 0
 
 /**
- * Work budget of the default algorithm's search when the greedy orders miss the lower
- * bound (a few milliseconds).
- */
-#define PlanOptions_DEFAULT_BEST_WORK 1000000
-
-/**
- * Work budget of [`Algorithm::Exact`] when the caller gives none (about a minute at most).
- */
-#define PlanOptions_DEFAULT_EXACT_WORK 4000000000
-
-/**
  * A profiling allocator (opaque). Made by `tensoralloc_profiling_new`, released by
  * `tensoralloc_profiling_free`. Safe to use from several threads (calls are serialized), but
  * an iteration is one sequence of calls: record, validate and serve from one thread.

@@ -71,7 +71,7 @@ pub enum Algorithm {
     /// The smallest of the greedy orders below (all of them, stopping at the lower bound;
     /// fewer on inputs so dense that they would be slow) and, when none reaches the bound,
     /// [`Algorithm::Pytorch`]; then, still above the bound, greedy passes in perturbed size
-    /// orders and a canonical search (see `Exact`) within [`PlanOptions::DEFAULT_BEST_WORK`] work units.
+    /// orders and a canonical search (see `Exact`) within 1,000,000 (`DEFAULT_BEST_WORK`) work units.
     /// Never larger than `Pytorch` on any input.
     Best,
     /// PyTorch's profiling-allocator plan: allocations and frees in time order, best fit among
@@ -92,7 +92,7 @@ pub enum Algorithm {
     /// Every greedy order, then a search over canonical layouts (each allocation at offset 0
     /// or on top of one it is live with, placed in offset order; pruned by section capacity,
     /// dominance and symmetry, split where time decomposes) for inputs of up to 4,096 nonzero
-    /// allocations, within [`PlanOptions::DEFAULT_EXACT_WORK`] work units unless
+    /// allocations, within 4,000,000,000 (`DEFAULT_EXACT_WORK`) work units unless
     /// [`PlanOptions::work_budget`] says otherwise. [`plan_offsets_with`] says whether the
     /// plan is proven optimal.
     Exact,
@@ -168,8 +168,8 @@ pub fn plan_offsets(
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct PlanOptions {
     /// Work units the search may spend (allocations scanned, sections checked, neighbours
-    /// updated; roughly 10^8 a second on one core). `None`: [`PlanOptions::DEFAULT_BEST_WORK`] for
-    /// `Best`, [`PlanOptions::DEFAULT_EXACT_WORK`] for `Exact`. The plan depends only on the input and
+    /// updated; roughly 10^8 a second on one core). `None`: 1,000,000 (`DEFAULT_BEST_WORK`) for
+    /// `Best`, 4,000,000,000 (`DEFAULT_EXACT_WORK`) for `Exact`. The plan depends only on the input and
     /// this budget, never on the machine.
     pub work_budget: Option<u64>,
     /// Wall-clock cap: the search stops early when it passes, so a plan under a time limit
@@ -177,13 +177,11 @@ pub struct PlanOptions {
     pub time_limit: Option<Duration>,
 }
 
-impl PlanOptions {
-    /// Work budget of the default algorithm's search when the greedy orders miss the lower
-    /// bound (a few milliseconds).
-    pub const DEFAULT_BEST_WORK: u64 = 1_000_000;
-    /// Work budget of [`Algorithm::Exact`] when the caller gives none (about a minute at most).
-    pub const DEFAULT_EXACT_WORK: u64 = 4_000_000_000;
-}
+/// Work budget of the default algorithm's search when the greedy orders miss the lower
+/// bound (a few milliseconds).
+pub(crate) const DEFAULT_BEST_WORK: u64 = 1_000_000;
+/// Work budget of [`Algorithm::Exact`] when the caller gives none (about a minute at most).
+pub(crate) const DEFAULT_EXACT_WORK: u64 = 4_000_000_000;
 
 /// A plan and what is known about it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -211,17 +209,13 @@ pub fn plan_offsets_with(
     let outcome = match algorithm {
         Algorithm::Best => problem.best(
             false,
-            options
-                .work_budget
-                .unwrap_or(PlanOptions::DEFAULT_BEST_WORK),
+            options.work_budget.unwrap_or(DEFAULT_BEST_WORK),
             deadline,
             alignment,
         ),
         Algorithm::Exact => problem.best(
             true,
-            options
-                .work_budget
-                .unwrap_or(PlanOptions::DEFAULT_EXACT_WORK),
+            options.work_budget.unwrap_or(DEFAULT_EXACT_WORK),
             deadline,
             alignment,
         ),
