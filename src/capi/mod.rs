@@ -16,6 +16,7 @@ use crate::error::Error;
 pub mod device;
 pub mod host;
 pub mod plan;
+pub mod pools;
 pub mod sim;
 pub mod version;
 

@@ -4,7 +4,8 @@
 #      with the default driver (TENSORALLOC_DRIVER unset = cuda), and the C++ example
 #      (c_examples/cpp) built against an installed copy (scripts/install);
 #   2. the Rust GPU tests (`#[ignore]`d elsewhere), with --ignored;
-#   3. the PyTorch training check (tests/gpu/pytorch_train.py), when torch with CUDA is installed.
+#   3. the PyTorch training check (tests/gpu/pytorch_train.py) and the PyTorch hook checks
+#      (tests/gpu/run-pytorch-suite.sh), when torch with CUDA is installed.
 # Usage: tests/gpu/run-c-suite.sh   (from anywhere; builds in the repository's target/)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -41,6 +42,8 @@ cargo test --release --test cuda_gpu -- --ignored || failed=1
 if python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
   echo "== PyTorch training with tensoralloc"
   python3 tests/gpu/pytorch_train.py "$lib/libtensoralloc.so" || failed=1
+  echo "== PyTorch hooks through the tensoralloc package"
+  tests/gpu/run-pytorch-suite.sh || failed=1
 else
   echo "== PyTorch with CUDA not installed: skipping tests/gpu/pytorch_train.py"
 fi
