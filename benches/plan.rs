@@ -1,5 +1,5 @@
 //! Planner benchmarks: offset planning time on synthetic model traces of 10,000 to 60,000
-//! allocations and on MiniMalloc's "challenging" instances (`../shared/planner/`)
+//! allocations and on MiniMalloc's "challenging" instances (`tests/data/planner/`)
 //! (`cargo bench --bench plan`), the plan / lower-bound ratio of every algorithm on those
 //! inputs (printed first; with `TENSORALLOC_BENCH_EXACT=1` also the `exact` algorithm's time
 //! and proof per challenging instance), and serving an iteration from a profiling plan.
@@ -63,7 +63,7 @@ const CHALLENGING: [&str; 11] = ["A", "B", "C", "D", "E", "F", "G", "H", "I", "J
 /// A challenging instance: half-open lifetimes `[lower, upper)` read as inclusive last uses.
 fn challenging(name: &str) -> Vec<Allocation> {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../shared/planner")
+        .join("tests/data/planner")
         .join(format!("{name}.1048576.csv"));
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path:?}: {e}"));
     traces::minimalloc_csv(&text).unwrap()

@@ -1,5 +1,5 @@
 //! Offset planning on hard inputs: MiniMalloc's "challenging" instances
-//! (`../shared/planner/`, half-open lifetimes `[lower, upper)` read as inclusive last uses
+//! (`tests/data/planner/`, half-open lifetimes `[lower, upper)` read as inclusive last uses
 //! `upper - 1`), budgets, proof flags and determinism. Proving optimality on every instance
 //! takes minutes in a debug build, so the instances proven here are the quick ones (C, K);
 //! `cargo bench --bench plan` with `TENSORALLOC_BENCH_EXACT=1` times all eleven.
@@ -15,7 +15,7 @@ const NAMES: [&str; 11] = ["A", "B", "C", "D", "E", "F", "G", "H", "I", "J", "K"
 
 fn instance(name: &str) -> Vec<Allocation> {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../shared/planner")
+        .join("tests/data/planner")
         .join(format!("{name}.1048576.csv"));
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path:?}: {e}"));
     traces::minimalloc_csv(&text).unwrap()
