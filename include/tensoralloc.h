@@ -30,6 +30,11 @@ typedef struct CUstream_st CUstream_st;
 #define TENSORALLOC_STAT_LARGE_POOL 2
 
 /**
+ * Granularity of simulated virtual memory mappings (2 MiB, as on current NVIDIA GPUs).
+ */
+#define SIM_GRANULARITY (2 << 20)
+
+/**
  * A profiling allocator (opaque). Made by `tensoralloc_profiling_new`, released by
  * `tensoralloc_profiling_free`. Safe to use from several threads (calls are serialized), but
  * an iteration is one sequence of calls: record, validate and serve from one thread.
