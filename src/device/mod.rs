@@ -14,7 +14,9 @@
 //! statistics, so threads working on different streams do not contend.
 
 mod events;
+mod expandable;
 mod free_index;
+mod policy;
 pub mod shard;
 pub mod size;
 pub mod stats;
@@ -26,7 +28,7 @@ use std::sync::Arc;
 
 use parking_lot::{Mutex, MutexGuard, RwLock};
 
-use crate::config::{roundup_interval, Config, ROUNDUP_INTERVALS};
+use crate::config::{roundup_interval, Config, Policy, ROUNDUP_INTERVALS};
 use crate::driver::{Driver, Event, Stream};
 use crate::error::{Error, Result};
 use events::EventPool;
@@ -59,6 +61,9 @@ pub struct DeviceAllocator {
     segments: RwLock<BTreeMap<usize, (usize, u32)>>,
     events: EventPool,
     counters: DeviceCounters,
+    /// How expandable segments are laid out; `None` for ordinary segments.
+    layout: Option<expandable::Layout>,
+    policy: Policy,
 }
 
 /// Routes statistic changes of one shard to the device counters.
@@ -89,7 +94,10 @@ impl DeviceAllocator {
                 driver.name()
             )));
         }
+        let layout = policy::layout(&*driver, device, config);
         Ok(DeviceAllocator {
+            layout,
+            policy: config.policy,
             device,
             driver,
             max_split_size: config.max_split_size,
@@ -159,38 +167,22 @@ impl DeviceAllocator {
             let found = inner.take_best_fit(pool, rounded, self.max_split_size);
             let id = match found {
                 Some(id) => id,
-                None => {
-                    let seg = segment_size(rounded);
-                    if self.gc_threshold > 0.0 {
-                        self.collect_garbage(shard, &mut inner, seg);
+                None => match self.new_memory(shard, &mut inner, pool, rounded) {
+                    Ok(id) => id,
+                    Err(Error::OutOfMemory(_)) if !retried => {
+                        drop(inner);
+                        DeviceCounters::bump(&self.counters.num_alloc_retries);
+                        self.release_cached()?;
+                        retried = true;
+                        continue;
                     }
-                    match self.driver.mem_alloc(self.device, seg) {
-                        Ok(addr) => {
-                            DeviceCounters::bump(&self.counters.num_device_alloc);
-                            self.segments.write().insert(addr, (seg, shard.index));
-                            inner.add_segment(
-                                addr,
-                                seg,
-                                pool,
-                                self.max_split_size,
-                                &mut self.sink(shard),
-                            )
-                        }
-                        Err(Error::OutOfMemory(_)) if !retried => {
-                            drop(inner);
-                            DeviceCounters::bump(&self.counters.num_alloc_retries);
-                            self.release_cached()?;
-                            retried = true;
-                            continue;
-                        }
-                        Err(Error::OutOfMemory(_)) => {
-                            drop(inner);
-                            DeviceCounters::bump(&self.counters.num_ooms);
-                            return Err(self.out_of_memory(size));
-                        }
-                        Err(e) => return Err(e),
+                    Err(Error::OutOfMemory(reason)) => {
+                        drop(inner);
+                        DeviceCounters::bump(&self.counters.num_ooms);
+                        return Err(self.out_of_memory(size, &reason));
                     }
-                }
+                    Err(e) => return Err(e),
+                },
             };
             return Ok(inner.allocate(
                 id,
@@ -202,7 +194,29 @@ impl DeviceAllocator {
         }
     }
 
-    fn out_of_memory(&self, size: usize) -> Error {
+    /// A new block of at least `rounded` bytes for `shard`: a new segment from the driver, or
+    /// memory mapped into an expandable segment. The block is out of its free index.
+    fn new_memory(
+        &self,
+        shard: &Shard,
+        inner: &mut ShardInner,
+        pool: PoolKind,
+        rounded: usize,
+    ) -> Result<u32> {
+        if let Some(layout) = &self.layout {
+            return self.grow(shard, inner, layout, pool, rounded);
+        }
+        let seg = segment_size(rounded);
+        if self.gc_threshold > 0.0 {
+            self.collect_garbage(shard, inner, seg);
+        }
+        let addr = self.driver.mem_alloc(self.device, seg)?;
+        DeviceCounters::bump(&self.counters.num_device_alloc);
+        self.segments.write().insert(addr, (seg, shard.index));
+        Ok(inner.add_segment(addr, seg, pool, self.max_split_size, &mut self.sink(shard)))
+    }
+
+    fn out_of_memory(&self, size: usize, reason: &str) -> Error {
         let stats = self.stats();
         let allocated = stats.allocated_bytes[0].current.max(0) as u64;
         let reserved = stats.reserved_bytes[0].current.max(0) as u64;
@@ -218,7 +232,8 @@ impl DeviceAllocator {
         Error::OutOfMemory(format!(
             "tried to allocate {} on device {}; {device_text}. Of the memory in use, {} is allocated \
              by tensoralloc and {} is reserved by tensoralloc but unallocated. If reserved but \
-             unallocated memory is large, try max_split_size_mb in TENSORALLOC_CONF to reduce fragmentation.",
+             unallocated memory is large, try max_split_size_mb in TENSORALLOC_CONF to reduce fragmentation. \
+             (Driver: {reason})",
             format_bytes(size as u64),
             self.device,
             format_bytes(allocated),
@@ -411,7 +426,8 @@ impl DeviceAllocator {
             self.events.put(event);
             self.event_done(shard, inner, id);
         }
-        self.release_segments(shard, inner, usize::MAX)
+        let released = self.release_segments(shard, inner, usize::MAX)?;
+        Ok(released + self.release_expandable(shard, inner)?)
     }
 
     /// Returns unused whole segments of `shard` to the driver until `goal` bytes are released.
@@ -566,9 +582,20 @@ impl Drop for DeviceAllocator {
             for (event, _) in std::mem::take(&mut inner.pending) {
                 let _ = self.driver.event_destroy(self.device, event);
             }
+            if let Some((event, _)) = inner.exp.batch.take() {
+                let _ = self.driver.event_destroy(self.device, event);
+            }
+        }
+        let mut ranges = std::collections::HashSet::new();
+        for shard in self.shards.iter() {
+            let mut inner = shard.inner.lock();
+            ranges.extend(inner.exp.segments.iter().map(|s| s.base));
+            inner.drop_all(&*self.driver, self.device);
         }
         for (&addr, _) in self.segments.read().iter() {
-            let _ = self.driver.mem_free(self.device, addr);
+            if !ranges.contains(&addr) {
+                let _ = self.driver.mem_free(self.device, addr);
+            }
         }
         self.events.destroy_all(&self.driver);
     }
