@@ -119,7 +119,7 @@ struct DeviceState {
 pub const SIM_GRANULARITY: usize = 2 << 20;
 
 /// Default virtual address space a simulated device lets its users reserve.
-const DEFAULT_ADDRESS_SPACE: u64 = 1 << 44;
+const DEFAULT_ADDRESS_SPACE: u64 = 1 << 46;
 
 /// Reserved ranges and mapped pages of one simulated device. Mapped bytes count in
 /// [`DeviceState::used`] like ordinary allocations.
@@ -540,7 +540,7 @@ impl SimDriver {
         self.vmm_supported.store(supported, Ordering::Relaxed);
     }
 
-    /// Limits the virtual address space each device lets its users reserve (default 16 TiB).
+    /// Limits the virtual address space each device lets its users reserve (default 64 TiB).
     pub fn set_address_space(&self, bytes: u64) {
         self.address_space.store(bytes, Ordering::Relaxed);
     }
