@@ -493,6 +493,13 @@ impl DeviceAllocator {
         }
     }
 
+    /// Bytes allocated to clients and bytes reserved from the driver right now, summed over
+    /// streams: two of [`DeviceAllocator::stats`]' values without collecting the rest.
+    pub fn current_bytes(&self) -> (u64, u64) {
+        let get = |kind| self.total_current(stats::aggregate(kind)).max(0) as u64;
+        (get(StatKind::AllocatedBytes), get(StatKind::ReservedBytes))
+    }
+
     /// The device's statistics. Never blocks allocation.
     pub fn stats(&self) -> DeviceStats {
         let mut out = DeviceStats::default();
