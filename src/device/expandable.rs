@@ -31,6 +31,8 @@ pub(crate) struct Layout {
     pub reserve: [usize; 2],
     /// Largest physical allocation, in pages.
     pub max_handle_pages: usize,
+    /// Whether best fit passes over blocks that could grow (PyTorch's rule).
+    pub prefer_settled: bool,
 }
 
 impl Layout {
@@ -68,6 +70,8 @@ pub(crate) struct ExpState {
     pub idle_upto: u64,
     /// The event recorded for the latest batch of frees, and the count it covers.
     pub batch: Option<(Event, u64)>,
+    /// [`Layout::prefer_settled`], once the shard has a range.
+    pub prefer_settled: bool,
 }
 
 /// What a change of mappings did, for the device counters.
@@ -85,9 +89,10 @@ pub(crate) struct Report {
 pub(crate) enum Reclaim {
     /// Every free block (after the shard's outstanding events were waited for).
     All,
-    /// Free blocks whose frees are known idle; with `keep_tails`, not those that end where
-    /// address space is unmapped (where the shard itself is about to grow).
-    Idle { keep_tails: bool },
+    /// Free blocks whose frees are known idle and that hold at least `min` bytes; with
+    /// `keep_tails`, not those that end where address space is unmapped (where the shard
+    /// itself is about to grow).
+    Idle { keep_tails: bool, min: usize },
 }
 
 impl ShardInner {
@@ -233,6 +238,7 @@ impl ShardInner {
         let p = Layout::pool_index(pool);
         let size = layout.reserve[p];
         let base = driver.vmm_reserve(device, size)?;
+        self.exp.prefer_settled = layout.prefer_settled;
         let index = self.exp.segments.len() as u32;
         self.exp.segments.push(ExpSegment {
             base,
@@ -420,8 +426,9 @@ impl ShardInner {
                 b.exp != NONE
                     && match reclaim {
                         Reclaim::All => true,
-                        Reclaim::Idle { keep_tails } => {
+                        Reclaim::Idle { keep_tails, min } => {
                             b.freed_at <= self.exp.idle_upto
+                                && b.size >= min
                                 && !(keep_tails
                                     && b.next != NONE
                                     && self.blocks[b.next as usize].state == State::Unmapped)

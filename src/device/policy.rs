@@ -17,10 +17,12 @@
 use super::expandable::{Layout, Reclaim, Report};
 use super::shard::ShardInner;
 use super::size::{PoolKind, LARGE_BUFFER, SMALL_BUFFER};
+use super::stats::{self, StatKind};
 use super::{DeviceAllocator, Shard};
 use crate::config::{Config, Policy};
 use crate::driver::Driver;
 use crate::error::Result;
+use std::sync::atomic::Ordering::Relaxed;
 
 /// The expandable layout `config` asks for on `device`, or `None` for ordinary segments
 /// (also when the driver cannot map memory: then a one-line notice says so).
@@ -54,10 +56,30 @@ pub(super) fn layout(driver: &dyn Driver, device: usize, config: &Config) -> Opt
         page: pages,
         reserve: pages.map(|p| room.next_multiple_of(p)),
         max_handle_pages: if compact { 1 } else { usize::MAX },
+        prefer_settled: !compact,
     })
 }
 
+/// A stream's own free blocks are unmapped before it grows only from this size on: smaller
+/// ones are the ones it reuses soonest, and unmapping them scatters its later growth over
+/// many small holes (measured on the serving trace: 1.04x with this bound, 1.09x without;
+/// on GPT-2 training 1.01x with it, 1.07x without unmapping its own blocks at all).
+const OWN_RECLAIM_MIN: usize = 128 << 20;
+
+/// Streams with less free mapped memory than this are not asked for any.
+const MIN_RECLAIM: i64 = 2 << 20;
+
 impl DeviceAllocator {
+    /// Bytes of `shard` that are mapped but hold no active block.
+    fn free_mapped(&self, shard: &Shard) -> i64 {
+        let cell = |kind| {
+            shard.stats.cells[stats::aggregate(kind)]
+                .current
+                .load(Relaxed)
+        };
+        cell(StatKind::ReservedBytes) - cell(StatKind::ActiveBytes)
+    }
+
     /// Maps memory into `shard`'s expandable segment of `pool` for `rounded` bytes.
     pub(super) fn grow(
         &self,
@@ -124,7 +146,7 @@ impl DeviceAllocator {
     /// up to `need` bytes. Never waits: another stream whose lock is busy, or whose batch
     /// event has not completed, is skipped.
     fn reclaim_idle(&self, shard: &Shard, inner: &mut ShardInner, need: usize) {
-        let mut got = self.reclaim_from(shard, inner, need, true);
+        let mut got = self.reclaim_from(shard, inner, need, OWN_RECLAIM_MIN);
         for other in self.shards.iter() {
             if got >= need {
                 break;
@@ -133,7 +155,7 @@ impl DeviceAllocator {
                 continue;
             }
             if let Some(mut o) = other.inner.try_lock() {
-                got += self.reclaim_from(other, &mut o, need - got, false);
+                got += self.reclaim_from(other, &mut o, need - got, 0);
             }
         }
     }
@@ -143,16 +165,19 @@ impl DeviceAllocator {
         shard: &Shard,
         inner: &mut ShardInner,
         goal: usize,
-        keep_tails: bool,
+        min: usize,
     ) -> usize {
-        if inner.exp.segments.is_empty() {
+        if inner.exp.segments.is_empty() || self.free_mapped(shard) < MIN_RECLAIM {
             return 0;
         }
         self.refresh_idle(shard, inner);
         match inner.unmap_free(
             &*self.driver,
             self.device,
-            Reclaim::Idle { keep_tails },
+            Reclaim::Idle {
+                keep_tails: min > 0,
+                min,
+            },
             goal,
             &mut self.sink(shard),
         ) {

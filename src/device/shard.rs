@@ -177,7 +177,7 @@ impl ShardInner {
         max_split_size: usize,
     ) -> Option<u32> {
         let (mut size, _, mut id) = self.index_of(pool).first_at_least((rounded, 0, 0))?;
-        if self.blocks[id as usize].exp != NONE {
+        if self.blocks[id as usize].exp != NONE && self.exp.prefer_settled {
             (size, id) = self.prefer_settled(pool, size, id);
         }
         // Larger candidates would break the oversize rules too, so the first one decides.

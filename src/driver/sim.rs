@@ -132,6 +132,8 @@ struct VmmState {
     next_unbacked: u64,
     /// Mapped physical allocations: handle -> (address, size).
     mapped: HashMap<u64, (u64, u64)>,
+    /// The same by address: start -> end.
+    by_addr: BTreeMap<u64, u64>,
     next_handle: u64,
 }
 
@@ -300,12 +302,7 @@ impl SimDevice {
                 "CUDA_ERROR_INVALID_VALUE: [{addr:#x}, +{size}) is not a reserved range"
             )));
         }
-        if st
-            .vmm
-            .mapped
-            .values()
-            .any(|&(a, _)| a >= addr && a < addr + size)
-        {
+        if st.vmm.by_addr.range(addr..addr + size).next().is_some() {
             return Err(Error::Driver(format!(
                 "CUDA_ERROR_INVALID_VALUE: the range at {addr:#x} still has mappings"
             )));
@@ -335,12 +332,13 @@ impl SimDevice {
                 "CUDA_ERROR_INVALID_VALUE: cannot map [{addr:#x}, +{size}): not a granularity-aligned part of a reserved range"
             )));
         }
-        if st
+        let overlaps = st
             .vmm
-            .mapped
-            .values()
-            .any(|&(a, l)| a < addr + size && addr < a + l)
-        {
+            .by_addr
+            .range(..addr + size)
+            .next_back()
+            .is_some_and(|(_, &end)| end > addr);
+        if overlaps {
             return Err(Error::Driver(format!(
                 "CUDA_ERROR_INVALID_VALUE: [{addr:#x}, +{size}) is already mapped"
             )));
@@ -372,6 +370,7 @@ impl SimDevice {
         st.vmm.next_handle += 1;
         let handle = st.vmm.next_handle;
         st.vmm.mapped.insert(handle, (addr, size));
+        st.vmm.by_addr.insert(addr, addr + size);
         Ok(PhysHandle(handle))
     }
 
@@ -385,6 +384,7 @@ impl SimDevice {
             )));
         }
         st.vmm.mapped.remove(&handle.0);
+        st.vmm.by_addr.remove(&addr);
         st.used -= size;
         if self.backed {
             // SAFETY: the range was mapped read-write by vmm_map inside our own reservation;
