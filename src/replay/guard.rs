@@ -342,6 +342,12 @@ impl<'a> Walker<'a> {
 /// Checks that `data` is a pickle of plain data (no globals, no object construction) whose
 /// decoded value stays within [`MAX_NODES`] values and [`MAX_DEPTH`] levels.
 pub fn check(data: &[u8]) -> Result<()> {
+    // PyTorch writes protocol 2 or later, which always starts with PROTO.
+    if data.first() != Some(&0x80) {
+        return Err(Error::InvalidArgument(
+            "not a memory snapshot: not a pickle of protocol 2 or later (nor gzip of one)".into(),
+        ));
+    }
     let mut w = Walker {
         data,
         pos: 0,

@@ -11,6 +11,7 @@
 //! `free_completed`. Reserved bytes are the replayed allocator's.
 
 mod guard;
+pub mod output;
 pub mod snapshot;
 
 use std::collections::HashMap;
