@@ -416,10 +416,16 @@ impl ShardInner {
         stats: &mut impl StatSink,
     ) -> Result<Report> {
         let mut report = Report::default();
+        // A block smaller than a page holds no whole physical allocation.
+        let smallest_page = self.exp.segments.iter().map(|s| s.page).min().unwrap_or(0);
+        let floor = match reclaim {
+            Reclaim::All => smallest_page,
+            Reclaim::Idle { min, .. } => min.max(smallest_page),
+        };
         let candidates: Vec<u32> = self
             .small_index()
-            .iter()
-            .chain(self.large_index().iter())
+            .iter_from((floor, 0, 0))
+            .chain(self.large_index().iter_from((floor, 0, 0)))
             .map(|(_, _, id)| id)
             .filter(|&id| {
                 let b = &self.blocks[id as usize];

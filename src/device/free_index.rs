@@ -79,6 +79,14 @@ impl FreeIndex {
         }
     }
 
+    /// The keys at or above `from`, in order.
+    pub fn iter_from(&self, from: Key) -> Box<dyn Iterator<Item = Key> + '_> {
+        match self {
+            FreeIndex::Sorted(v) => Box::new(v[v.partition_point(|k| *k < from)..].iter().copied()),
+            FreeIndex::Tree(t) => Box::new(t.range(from..).copied()),
+        }
+    }
+
     pub fn iter(&self) -> Box<dyn Iterator<Item = Key> + '_> {
         match self {
             FreeIndex::Sorted(v) => Box::new(v.iter().copied()),
@@ -122,6 +130,8 @@ mod tests {
             );
         }
         assert!(index.iter().eq(model.iter().copied()));
+        let probe = (20 * 512, 0, 0);
+        assert!(index.iter_from(probe).eq(model.range(probe..).copied()));
         assert!(!index.remove(&(1, 1, 1)));
     }
 }
