@@ -15,6 +15,7 @@
 
 mod events;
 mod free_index;
+pub mod history;
 pub mod shard;
 pub mod size;
 pub mod stats;
@@ -30,6 +31,7 @@ use crate::config::{roundup_interval, Config, ROUNDUP_INTERVALS};
 use crate::driver::{Driver, Event, Stream};
 use crate::error::{Error, Result};
 use events::EventPool;
+use history::Action;
 use shard::{ShardInner, StatSink, State};
 use size::{format_bytes, round_size_with, segment_size, PoolKind, MAX_REQUEST};
 use stats::{DeviceCounters, DeviceStats, ShardStats, Stat, StatKind, TRACKED};
@@ -59,6 +61,7 @@ pub struct DeviceAllocator {
     segments: RwLock<BTreeMap<usize, (usize, u32)>>,
     events: EventPool,
     counters: DeviceCounters,
+    history: history::History,
 }
 
 /// Routes statistic changes of one shard to the device counters.
@@ -99,6 +102,7 @@ impl DeviceAllocator {
             segments: RwLock::new(BTreeMap::new()),
             events: EventPool::new(device),
             counters: DeviceCounters::default(),
+            history: history::History::default(),
         })
     }
 
@@ -167,6 +171,7 @@ impl DeviceAllocator {
                     match self.driver.mem_alloc(self.device, seg) {
                         Ok(addr) => {
                             DeviceCounters::bump(&self.counters.num_device_alloc);
+                            self.note(Action::SegmentAlloc, addr, seg, stream);
                             self.segments.write().insert(addr, (seg, shard.index));
                             inner.add_segment(
                                 addr,
@@ -186,19 +191,22 @@ impl DeviceAllocator {
                         Err(Error::OutOfMemory(_)) => {
                             drop(inner);
                             DeviceCounters::bump(&self.counters.num_ooms);
+                            self.note(Action::Oom, 0, size, stream);
                             return Err(self.out_of_memory(size));
                         }
                         Err(e) => return Err(e),
                     }
                 }
             };
-            return Ok(inner.allocate(
+            let addr = inner.allocate(
                 id,
                 rounded,
                 size,
                 self.max_split_size,
                 &mut self.sink(shard),
-            ));
+            );
+            self.note(Action::Alloc, addr, size, stream);
+            return Ok(addr);
         }
     }
 
@@ -251,6 +259,7 @@ impl DeviceAllocator {
         let Some((shard, inner, id)) = found else {
             return Ok(false);
         };
+        self.note_block(Action::FreeRequested, shard, &inner, id);
         self.finish_free(shard, inner, id)?;
         Ok(true)
     }
@@ -274,6 +283,7 @@ impl DeviceAllocator {
     ) -> Result<()> {
         let uses = std::mem::take(&mut inner.block_mut(id).stream_uses);
         if uses.is_empty() {
+            self.note_block(Action::FreeCompleted, shard, &inner, id);
             inner.release(id, &mut self.sink(shard));
             return Ok(());
         }
@@ -302,6 +312,7 @@ impl DeviceAllocator {
             }
         }
         if recorded.is_empty() {
+            self.note_block(Action::FreeCompleted, shard, &inner, id);
             inner.release(id, &mut self.sink(shard));
         } else {
             inner.block_mut(id).events_left = recorded.len() as u32;
@@ -399,6 +410,7 @@ impl DeviceAllocator {
         let b = inner.block_mut(id);
         b.events_left -= 1;
         if b.events_left == 0 {
+            self.note_block(Action::FreeCompleted, shard, inner, id);
             inner.release(id, &mut self.sink(shard));
         }
     }
@@ -431,6 +443,7 @@ impl DeviceAllocator {
             inner.remove_segment(id, self.max_split_size, &mut self.sink(shard));
             self.segments.write().remove(&addr);
             DeviceCounters::bump(&self.counters.num_device_free);
+            self.note(Action::SegmentFree, addr, size, shard.stream);
             released += size;
         }
         Ok(released)
