@@ -30,6 +30,11 @@ typedef struct CUstream_st CUstream_st;
 #define TENSORALLOC_STAT_LARGE_POOL 2
 
 /**
+ * Most events a ring may be asked to keep (about 40 bytes each).
+ */
+#define MAX_ENTRIES (1 << 26)
+
+/**
  * Granularity of simulated virtual memory mappings (2 MiB, as on current NVIDIA GPUs).
  */
 #define SIM_GRANULARITY (2 << 20)
@@ -836,6 +841,29 @@ tensoralloc_status tensoralloc_sim_release_stream(CUstream_st *stream);
  * the device does not exist, or no simulated device is in use.
  */
 tensoralloc_status tensoralloc_sim_device_used(int32_t device, uint64_t *out);
+
+/**
+ * Starts (`enabled` != 0) or stops (`enabled` == 0) recording the memory history of every
+ * device: each allocation, free (requested and completed), segment allocation and release,
+ * and out-of-memory failure, like PyTorch's `torch.cuda.memory._record_memory_history`.
+ * Starting discards earlier events and keeps at most the last `max_entries` events per
+ * device (1 to 67108864; ignored when stopping). Stopping keeps the recorded events for
+ * `tensoralloc_dump_snapshot`. Returns `TENSORALLOC_OK`, or `TENSORALLOC_ERR_INVALID_ARGUMENT`
+ * for a `max_entries` out of range (with a last error); nothing changes on error.
+ */
+tensoralloc_status tensoralloc_record_memory_history(int32_t enabled, size_t max_entries);
+
+/**
+ * Writes a memory snapshot to the file `path` (a NUL-terminated UTF-8 path; the file is
+ * created or replaced) in the layout of PyTorch's `torch.cuda.memory._dump_snapshot`: the
+ * segments and blocks of every device now, the recorded events of each device (see
+ * `tensoralloc_record_memory_history`; none if recording was never started) and the allocator
+ * settings. A path ending in `.gz` is gzip-compressed. Stack frames are empty. PyTorch's
+ * memory viewer and `tensoralloc replay` read the file. Returns `TENSORALLOC_OK`, or
+ * `TENSORALLOC_ERR_INVALID_ARGUMENT` for a NULL path or a file that cannot be written (with a
+ * last error).
+ */
+tensoralloc_status tensoralloc_dump_snapshot(const char *path);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -17,6 +17,7 @@ pub mod device;
 pub mod host;
 pub mod plan;
 pub mod sim;
+pub mod snapshot;
 
 /// A CUDA stream (`cudaStream_t`, `CUstream`). Opaque: tensoralloc only passes it to the driver
 /// and uses its address to tell streams apart. NULL is the legacy default stream.

@@ -16,6 +16,7 @@
 mod events;
 mod expandable;
 mod free_index;
+pub mod history;
 mod policy;
 pub mod shard;
 pub mod size;
@@ -32,6 +33,7 @@ use crate::config::{roundup_interval, Config, Policy, ROUNDUP_INTERVALS};
 use crate::driver::{Driver, Event, Stream};
 use crate::error::{Error, Result};
 use events::EventPool;
+use history::Action;
 use shard::{ShardInner, StatSink, State};
 use size::{format_bytes, round_size_with, segment_size, PoolKind, MAX_REQUEST};
 use stats::{DeviceCounters, DeviceStats, ShardStats, Stat, StatKind, TRACKED};
@@ -64,6 +66,7 @@ pub struct DeviceAllocator {
     /// How expandable segments are laid out; `None` for ordinary segments.
     layout: Option<expandable::Layout>,
     policy: Policy,
+    history: history::History,
 }
 
 /// Routes statistic changes of one shard to the device counters.
@@ -107,6 +110,7 @@ impl DeviceAllocator {
             segments: RwLock::new(BTreeMap::new()),
             events: EventPool::new(device),
             counters: DeviceCounters::default(),
+            history: history::History::default(),
         })
     }
 
@@ -179,18 +183,21 @@ impl DeviceAllocator {
                     Err(Error::OutOfMemory(reason)) => {
                         drop(inner);
                         DeviceCounters::bump(&self.counters.num_ooms);
+                        self.note(Action::Oom, 0, size, stream);
                         return Err(self.out_of_memory(size, &reason));
                     }
                     Err(e) => return Err(e),
                 },
             };
-            return Ok(inner.allocate(
+            let addr = inner.allocate(
                 id,
                 rounded,
                 size,
                 self.max_split_size,
                 &mut self.sink(shard),
-            ));
+            );
+            self.note(Action::Alloc, addr, size, stream);
+            return Ok(addr);
         }
     }
 
@@ -212,6 +219,7 @@ impl DeviceAllocator {
         }
         let addr = self.driver.mem_alloc(self.device, seg)?;
         DeviceCounters::bump(&self.counters.num_device_alloc);
+        self.note(Action::SegmentAlloc, addr, seg, shard.stream);
         self.segments.write().insert(addr, (seg, shard.index));
         Ok(inner.add_segment(addr, seg, pool, self.max_split_size, &mut self.sink(shard)))
     }
@@ -266,6 +274,7 @@ impl DeviceAllocator {
         let Some((shard, inner, id)) = found else {
             return Ok(false);
         };
+        self.note_block(Action::FreeRequested, shard, &inner, id);
         self.finish_free(shard, inner, id)?;
         Ok(true)
     }
@@ -289,6 +298,7 @@ impl DeviceAllocator {
     ) -> Result<()> {
         let uses = std::mem::take(&mut inner.block_mut(id).stream_uses);
         if uses.is_empty() {
+            self.note_block(Action::FreeCompleted, shard, &inner, id);
             inner.release(id, &mut self.sink(shard));
             return Ok(());
         }
@@ -317,6 +327,7 @@ impl DeviceAllocator {
             }
         }
         if recorded.is_empty() {
+            self.note_block(Action::FreeCompleted, shard, &inner, id);
             inner.release(id, &mut self.sink(shard));
         } else {
             inner.block_mut(id).events_left = recorded.len() as u32;
@@ -414,6 +425,7 @@ impl DeviceAllocator {
         let b = inner.block_mut(id);
         b.events_left -= 1;
         if b.events_left == 0 {
+            self.note_block(Action::FreeCompleted, shard, inner, id);
             inner.release(id, &mut self.sink(shard));
         }
     }
@@ -447,6 +459,7 @@ impl DeviceAllocator {
             inner.remove_segment(id, self.max_split_size, &mut self.sink(shard));
             self.segments.write().remove(&addr);
             DeviceCounters::bump(&self.counters.num_device_free);
+            self.note(Action::SegmentFree, addr, size, shard.stream);
             released += size;
         }
         Ok(released)

@@ -399,3 +399,25 @@ impl ShardInner {
         (addr, size)
     }
 }
+
+impl ShardInner {
+    /// The blocks of every segment of the shard, each segment in address order (for snapshots).
+    pub fn segments(&self) -> Vec<Vec<&Block>> {
+        let spare: std::collections::HashSet<u32> = self.spare.iter().copied().collect();
+        let mut out = Vec::new();
+        for (id, b) in self.blocks.iter().enumerate() {
+            if b.prev != NONE || spare.contains(&(id as u32)) {
+                continue;
+            }
+            let mut segment = Vec::new();
+            let mut cur = id as u32;
+            while cur != NONE {
+                let b = &self.blocks[cur as usize];
+                segment.push(b);
+                cur = b.next;
+            }
+            out.push(segment);
+        }
+        out
+    }
+}

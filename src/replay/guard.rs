@@ -398,12 +398,8 @@ mod tests {
     #[test]
     fn deep_nesting_is_refused() {
         let mut p = b"\x80\x02".to_vec();
-        for _ in 0..10_000 {
-            p.push(b']');
-        }
-        for _ in 0..9_999 {
-            p.push(b'a');
-        }
+        p.extend(std::iter::repeat_n(b']', 10_000));
+        p.extend(std::iter::repeat_n(b'a', 9_999));
         p.push(b'.');
         let e = check(&p).unwrap_err();
         assert!(e.message().contains("deep"), "{e}");

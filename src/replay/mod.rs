@@ -258,8 +258,8 @@ pub fn run_with(
 /// recorded address.
 ///
 /// Each segment is first taken whole (so no other free block exists), then given back and
-/// allocated again piece by piece in address order (the gaps, then each live block), so the
-/// live blocks land at their recorded offsets; finally the gaps are freed.
+/// allocated again piece by piece in address order (gaps and live blocks), so the live blocks
+/// land at their recorded offsets; finally the gaps are freed.
 fn recreate(alloc: &DeviceAllocator, trace: &Trace) -> Result<HashMap<u64, Live>> {
     const HALF_SMALL: usize = 1 << 20;
     let mut live = HashMap::new();
@@ -289,15 +289,34 @@ fn recreate(alloc: &DeviceAllocator, trace: &Trace) -> Result<HashMap<u64, Live>
             alloc.free(p, Some(stream))?;
         }
         let mut cursor = s.addr;
-        for b in &s.live {
-            let mut gap = b.addr.saturating_sub(cursor) as usize;
+        // Every gap is taken too, the one after the last live block included, so that the
+        // only free block is always the rest of the segment being laid out.
+        let fill = |cursor: u64, end: u64, gaps: &mut Vec<usize>| -> Result<()> {
+            let mut gap = end.saturating_sub(cursor) as usize;
+            // A large-pool gap of up to 1 MiB cannot be asked for (it would come from the
+            // small pool); PyTorch's rules never leave one.
+            if !s.small && gap <= HALF_SMALL {
+                return Ok(());
+            }
             while gap > 0 {
                 let piece = if s.small { gap.min(HALF_SMALL) } else { gap };
                 gaps.push(alloc.malloc(piece, stream).map_err(setup)?);
                 gap -= piece;
             }
+            Ok(())
+        };
+        for (i, b) in s.live.iter().enumerate() {
+            fill(cursor, b.addr, &mut gaps)?;
+            // Events give requested sizes; the block is rounded, and in the large pool it
+            // kept any rest of up to 1 MiB before the next block (PyTorch does not split
+            // that off).
+            let next = s.live.get(i + 1).map_or(s.addr + s.size, |n| n.addr);
+            let mut size = b.size.max(1).next_multiple_of(512);
+            if !s.small && next.saturating_sub(b.addr + size) <= HALF_SMALL as u64 {
+                size = next.saturating_sub(b.addr).max(size);
+            }
             let (before, _) = alloc.current_bytes();
-            let addr = alloc.malloc(b.size as usize, stream).map_err(setup)?;
+            let addr = alloc.malloc(size as usize, stream).map_err(setup)?;
             let bytes = alloc.current_bytes().0 - before;
             live.insert(
                 b.addr,
@@ -308,8 +327,9 @@ fn recreate(alloc: &DeviceAllocator, trace: &Trace) -> Result<HashMap<u64, Live>
                     free_requested: b.free_requested,
                 },
             );
-            cursor = b.addr + b.size;
+            cursor = b.addr + size;
         }
+        fill(cursor, s.addr + s.size, &mut gaps)?;
     }
     for g in gaps {
         if !alloc.try_free(g, None)? {

@@ -26,56 +26,11 @@ use std::path::Path;
 use serde::Deserialize;
 
 use super::guard;
+pub use crate::device::history::Action;
 use crate::error::{Error, Result};
 
 /// Largest decompressed snapshot accepted (a million events take about 80 MB).
 pub const MAX_PICKLE_BYTES: u64 = 1 << 30;
-
-/// What happened at one event of a trace.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Action {
-    Alloc,
-    FreeRequested,
-    FreeCompleted,
-    SegmentAlloc,
-    SegmentFree,
-    SegmentMap,
-    SegmentUnmap,
-    Oom,
-    /// Anything else PyTorch records (`snapshot`, user annotations); ignored by replay.
-    Other,
-}
-
-impl Action {
-    fn parse(name: &str) -> Action {
-        match name {
-            "alloc" => Action::Alloc,
-            "free_requested" => Action::FreeRequested,
-            "free_completed" => Action::FreeCompleted,
-            "segment_alloc" => Action::SegmentAlloc,
-            "segment_free" => Action::SegmentFree,
-            "segment_map" => Action::SegmentMap,
-            "segment_unmap" => Action::SegmentUnmap,
-            "oom" => Action::Oom,
-            _ => Action::Other,
-        }
-    }
-
-    /// PyTorch's name of the action.
-    pub fn name(self) -> &'static str {
-        match self {
-            Action::Alloc => "alloc",
-            Action::FreeRequested => "free_requested",
-            Action::FreeCompleted => "free_completed",
-            Action::SegmentAlloc => "segment_alloc",
-            Action::SegmentFree => "segment_free",
-            Action::SegmentMap => "segment_map",
-            Action::SegmentUnmap => "segment_unmap",
-            Action::Oom => "oom",
-            Action::Other => "other",
-        }
-    }
-}
 
 /// One recorded event.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
