@@ -228,7 +228,7 @@ fn segment_info(device: usize, stream: usize, blocks: &[&Block]) -> SegmentInfo 
             _ => "large",
         },
         segment_pool_id: (0, 0),
-        is_expandable: false,
+        is_expandable: blocks.first().is_some_and(|b| b.exp != super::shard::NONE),
         frames: Vec::new(),
         blocks: Vec::with_capacity(blocks.len()),
     };
@@ -247,7 +247,8 @@ fn segment_info(device: usize, stream: usize, blocks: &[&Block]) -> SegmentInfo 
                 s.requested_size += requested;
                 "active_pending_free"
             }
-            State::Free => "inactive",
+            // Never passed in: segments() leaves unmapped address space out.
+            State::Free | State::Unmapped => "inactive",
         };
         s.blocks.push(BlockInfo {
             address: b.addr as u64,

@@ -409,14 +409,23 @@ impl ShardInner {
             if b.prev != NONE || spare.contains(&(id as u32)) {
                 continue;
             }
+            // An expandable segment shows as one segment per run of mapped blocks.
             let mut segment = Vec::new();
             let mut cur = id as u32;
             while cur != NONE {
                 let b = &self.blocks[cur as usize];
-                segment.push(b);
+                if b.state == State::Unmapped {
+                    if !segment.is_empty() {
+                        out.push(std::mem::take(&mut segment));
+                    }
+                } else {
+                    segment.push(b);
+                }
                 cur = b.next;
             }
-            out.push(segment);
+            if !segment.is_empty() {
+                out.push(segment);
+            }
         }
         out
     }
