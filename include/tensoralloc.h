@@ -35,11 +35,6 @@ typedef struct CUstream_st CUstream_st;
 #define MAX_ENTRIES (1 << 26)
 
 /**
- * Granularity of simulated virtual memory mappings (2 MiB, as on current NVIDIA GPUs).
- */
-#define SIM_GRANULARITY (2 << 20)
-
-/**
  * Device capacity used when none is given: large enough that no trace runs out.
  */
 #define UNLIMITED_MEMORY (1 << 40)

@@ -116,7 +116,7 @@ struct DeviceState {
 }
 
 /// Granularity of simulated virtual memory mappings (2 MiB, as on current NVIDIA GPUs).
-pub const SIM_GRANULARITY: usize = 2 << 20;
+pub(crate) const SIM_GRANULARITY: usize = 2 << 20;
 
 /// Default virtual address space a simulated device lets its users reserve.
 const DEFAULT_ADDRESS_SPACE: u64 = 1 << 46;
