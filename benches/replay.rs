@@ -59,7 +59,10 @@ fn table() {
             for _ in 0..3 {
                 match replay::run(&trace, &config, UNLIMITED_MEMORY) {
                     Ok(r) => {
-                        if best.as_ref().is_none_or(|b| r.ns_per_event < b.ns_per_event) {
+                        if best
+                            .as_ref()
+                            .is_none_or(|b| r.ns_per_event < b.ns_per_event)
+                        {
                             best = Some(r);
                         }
                     }
