@@ -46,31 +46,6 @@ typedef struct CUstream_st CUstream_st;
 #define TENSORALLOC_VERSION_PATCH 0
 
 /**
- * Most events a ring may be asked to keep (about 40 bytes each).
- */
-#define MAX_ENTRIES (1 << 26)
-
-/**
- * Device capacity used when none is given: large enough that no trace runs out.
- */
-#define UNLIMITED_MEMORY (1 << 40)
-
-/**
- * Most values (containers and scalars, shared ones counted at each use) a snapshot may expand to.
- */
-#define MAX_NODES (1 << 27)
-
-/**
- * Deepest nesting accepted. PyTorch snapshots nest about six deep.
- */
-#define MAX_DEPTH 64
-
-/**
- * Largest decompressed snapshot accepted (a million events take about 80 MB).
- */
-#define MAX_PICKLE_BYTES (1 << 30)
-
-/**
  * A profiling allocator (opaque). Made by `tensoralloc_profiling_new`, released by
  * `tensoralloc_profiling_free`. Safe to use from several threads (calls are serialized), but
  * an iteration is one sequence of calls: record, validate and serve from one thread.

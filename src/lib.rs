@@ -15,6 +15,7 @@ pub mod driver;
 pub mod error;
 pub mod host;
 pub mod plan;
+/// cbindgen:ignore
 pub mod replay;
 pub mod runtime;
 

@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use tensoralloc::config::Config;
 use tensoralloc::device::history::{self, Action};
+use tensoralloc::device::stats::DeviceStats;
 use tensoralloc::device::DeviceAllocator;
 use tensoralloc::driver::sim::{self, SimDriver};
 use tensoralloc::replay::{self, snapshot, Report, Trace, UNLIMITED_MEMORY};
@@ -88,6 +89,18 @@ fn replay_following_the_recording(trace: &Trace) -> Report {
         }
     }
     report
+}
+
+/// The replay peaked where the recorded allocator did.
+fn assert_same_peaks(report: &Report, recorded: &DeviceStats) {
+    assert_eq!(
+        report.peak_reserved_bytes,
+        recorded.reserved_bytes[0].peak as u64
+    );
+    assert_eq!(
+        report.peak_allocated_bytes,
+        recorded.allocated_bytes[0].peak as u64
+    );
 }
 
 #[test]
@@ -213,14 +226,7 @@ fn a_recorded_workload_replays_to_the_same_peaks() {
     assert!(trace.initial.is_empty());
     assert!(trace.count(Action::SegmentFree) > 0);
     let report = replay::run(&trace, &Config::default(), UNLIMITED_MEMORY).unwrap();
-    assert_eq!(
-        report.peak_reserved_bytes,
-        stats.reserved_bytes[0].peak as u64
-    );
-    assert_eq!(
-        report.peak_allocated_bytes,
-        stats.allocated_bytes[0].peak as u64
-    );
+    assert_same_peaks(&report, &stats);
 }
 
 #[test]
@@ -250,14 +256,7 @@ fn recording_started_after_warm_up_replays_from_the_state_at_its_start() {
         report.initial_reserved_bytes,
         at_start.reserved_bytes[0].current as u64
     );
-    assert_eq!(
-        report.peak_reserved_bytes,
-        stats.reserved_bytes[0].peak as u64
-    );
-    assert_eq!(
-        report.peak_allocated_bytes,
-        stats.allocated_bytes[0].peak as u64
-    );
+    assert_same_peaks(&report, &stats);
 }
 
 #[test]

@@ -18,6 +18,17 @@ fn tensoralloc(args: &[&str]) -> Output {
         .unwrap()
 }
 
+/// `tensoralloc replay` of a shared trace with each of `configs`, then `extra` arguments.
+fn replay_configs(name: &str, configs: &[&str], extra: &[&str]) -> Output {
+    let t = trace(name);
+    let mut args = vec!["replay", t.to_str().unwrap()];
+    for c in configs {
+        args.extend(["--config", c]);
+    }
+    args.extend(extra);
+    tensoralloc(&args)
+}
+
 fn stdout(o: &Output) -> String {
     String::from_utf8_lossy(&o.stdout).into_owned()
 }
@@ -38,16 +49,11 @@ fn scratch(name: &str, bytes: &[u8]) -> PathBuf {
 
 #[test]
 fn json_prints_one_object_per_configuration_with_the_documented_fields() {
-    let t = trace("h100_multistream.pickle.gz");
-    let o = tensoralloc(&[
-        "replay",
-        t.to_str().unwrap(),
-        "--json",
-        "--config",
-        "default",
-        "--config",
-        "max_split_size_mb:64",
-    ]);
+    let o = replay_configs(
+        "h100_multistream.pickle.gz",
+        &["default", "max_split_size_mb:64"],
+        &["--json"],
+    );
     assert!(o.status.success(), "{}", stderr(&o));
     let lines: Vec<serde_json::Value> = stdout(&o)
         .lines()
@@ -79,15 +85,11 @@ fn too_little_memory_reports_the_first_failing_allocation() {
 
 #[test]
 fn the_table_compares_configurations_and_marks_rejected_ones_unsupported() {
-    let t = trace("h100_resnet50_train.pickle.gz");
-    let o = tensoralloc(&[
-        "replay",
-        t.to_str().unwrap(),
-        "--config",
-        "default",
-        "--config",
-        "no_such_option:1",
-    ]);
+    let o = replay_configs(
+        "h100_resnet50_train.pickle.gz",
+        &["default", "no_such_option:1"],
+        &[],
+    );
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     let out = stdout(&o);
     assert!(out.contains("6.36 GiB"), "{out}");
@@ -100,18 +102,12 @@ fn the_table_compares_configurations_and_marks_rejected_ones_unsupported() {
 
 #[test]
 fn svg_draws_a_chart_of_each_configuration() {
-    let t = trace("h100_multistream.pickle.gz");
     let svg = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("multistream.svg");
-    let o = tensoralloc(&[
-        "replay",
-        t.to_str().unwrap(),
-        "--config",
-        "default",
-        "--config",
-        "max_split_size_mb:64",
-        "--svg",
-        svg.to_str().unwrap(),
-    ]);
+    let o = replay_configs(
+        "h100_multistream.pickle.gz",
+        &["default", "max_split_size_mb:64"],
+        &["--svg", svg.to_str().unwrap()],
+    );
     assert!(o.status.success(), "{}", stderr(&o));
     let text = std::fs::read_to_string(&svg).unwrap();
     assert!(text.starts_with("<svg"), "{}", &text[..100.min(text.len())]);

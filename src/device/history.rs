@@ -18,6 +18,8 @@ use crate::config::Config;
 use crate::error::{Error, Result};
 
 /// Most events a ring may be asked to keep (about 40 bytes each).
+///
+/// cbindgen:ignore
 pub const MAX_ENTRIES: usize = 1 << 26;
 
 /// What happened at one event of a trace.
