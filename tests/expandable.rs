@@ -366,3 +366,28 @@ fn expandable_segments_keep_the_books_under_a_random_workload() {
 fn the_compact_policy_keeps_the_books_under_a_random_workload() {
     random_workload_keeps_the_books("policy:compact");
 }
+
+#[test]
+fn compact_records_no_event_while_a_graph_pool_is_active() {
+    let (sim, a) = setup(1 << 30, "policy:compact");
+    let (s1, s2) = (unique_stream(), unique_stream());
+    let p = a.malloc(10 * MIB, s1).unwrap();
+    a.free(p, Some(s1)).unwrap();
+    let records = sim
+        .counters
+        .event_records
+        .load(std::sync::atomic::Ordering::Relaxed);
+    let pool = (1, 0);
+    a.begin_allocate_to_pool(pool, None).unwrap();
+    let q = a.malloc(10 * MIB, s2).unwrap();
+    a.end_allocate_to_pool(pool).unwrap();
+    assert_eq!(
+        sim.counters
+            .event_records
+            .load(std::sync::atomic::Ordering::Relaxed),
+        records,
+        "a capture forbids recording events: s1's pages stay where they are"
+    );
+    a.free(q, Some(s2)).unwrap();
+    a.release_pool(pool).unwrap();
+}

@@ -146,6 +146,10 @@ impl DeviceAllocator {
     /// up to `need` bytes. Never waits: another stream whose lock is busy, or whose batch
     /// event has not completed, is skipped.
     fn reclaim_idle(&self, shard: &Shard, inner: &mut ShardInner, need: usize) {
+        if self.graph.capturing() {
+            // No event may be recorded or queried while a graph is captured.
+            return;
+        }
         let mut got = self.reclaim_from(shard, inner, need, OWN_RECLAIM_MIN);
         for other in self.shards.iter() {
             if got >= need {
@@ -167,7 +171,10 @@ impl DeviceAllocator {
         goal: usize,
         min: usize,
     ) -> usize {
-        if inner.exp.segments.is_empty() || self.free_mapped(shard) < MIN_RECLAIM {
+        if inner.exp.segments.is_empty()
+            || self.free_mapped(shard) < MIN_RECLAIM
+            || self.driver.stream_capturing(shard.stream).unwrap_or(false)
+        {
             return 0;
         }
         self.refresh_idle(shard, inner);
