@@ -996,6 +996,29 @@ tensoralloc_status tensoralloc_sim_begin_capture(CUstream_st *stream);
 tensoralloc_status tensoralloc_sim_end_capture(CUstream_st *stream);
 
 /**
+ * Starts (`enabled` != 0) or stops (`enabled` == 0) recording the memory history of every
+ * device: each allocation, free (requested and completed), segment allocation and release,
+ * and out-of-memory failure, like PyTorch's `torch.cuda.memory._record_memory_history`.
+ * Starting discards earlier events and keeps at most the last `max_entries` events per
+ * device (1 to 67108864; ignored when stopping). Stopping keeps the recorded events for
+ * `tensoralloc_dump_snapshot`. Returns `TENSORALLOC_OK`, or `TENSORALLOC_ERR_INVALID_ARGUMENT`
+ * for a `max_entries` out of range (with a last error); nothing changes on error.
+ */
+tensoralloc_status tensoralloc_record_memory_history(int32_t enabled, size_t max_entries);
+
+/**
+ * Writes a memory snapshot to the file `path` (a NUL-terminated UTF-8 path; the file is
+ * created or replaced) in the layout of PyTorch's `torch.cuda.memory._dump_snapshot`: the
+ * segments and blocks of every device now, the recorded events of each device (see
+ * `tensoralloc_record_memory_history`; none if recording was never started) and the allocator
+ * settings. A path ending in `.gz` is gzip-compressed. Stack frames are empty. PyTorch's
+ * memory viewer and `tensoralloc replay` read the file. Returns `TENSORALLOC_OK`, or
+ * `TENSORALLOC_ERR_INVALID_ARGUMENT` for a NULL path or a file that cannot be written (with a
+ * last error).
+ */
+tensoralloc_status tensoralloc_dump_snapshot(const char *path);
+
+/**
  * The loaded library's version as a NUL-terminated string, `"MAJOR.MINOR.PATCH"` (for example
  * `"0.1.0"`). The string is static: the caller must not free or modify it, and it stays valid
  * for the life of the process. Never NULL, never fails; an installed library's SONAME

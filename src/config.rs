@@ -24,6 +24,23 @@ pub struct Config {
     /// [`Config::divisions_for`]), how many equal steps each power-of-two range is cut into when
     /// rounding device requests; 0 or 1 rounds to 512 B only.
     pub roundup_power2_divisions: [usize; ROUNDUP_INTERVALS],
+    /// PyTorch's `expandable_segments`: one virtual address range per stream and pool, grown
+    /// and shrunk by mapping pages, instead of one driver allocation per segment.
+    pub expandable_segments: bool,
+    /// Which rules place, grow and reuse device memory (`policy:pytorch`, the default, or
+    /// `policy:compact`).
+    pub policy: Policy,
+}
+
+/// The placement and reuse rules of the device allocator.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Policy {
+    /// PyTorch's CUDACachingAllocator rules, byte for byte.
+    #[default]
+    PyTorch,
+    /// tensoralloc's own: expandable segments with pages of the driver's granularity, and
+    /// free pages of any stream reused by others once their work has completed.
+    Compact,
 }
 
 /// Number of size intervals of `roundup_power2_divisions`: below 2 MiB, then one per power of
@@ -39,6 +56,8 @@ impl Default for Config {
             pinned_num_register_threads: 1,
             pinned_round_power2: true,
             roundup_power2_divisions: [0; ROUNDUP_INTERVALS],
+            expandable_segments: false,
+            policy: Policy::PyTorch,
         }
     }
 }
@@ -59,8 +78,8 @@ impl Config {
     }
 
     /// Parses a configuration string. Keys that PyTorch accepts but tensoralloc does not act on
-    /// (`backend`, `release_lock_on_cudamalloc`, `roundup_power2_divisions`,
-    /// `expandable_segments`, `pinned_use_background_threads`) are accepted and validated;
+    /// (`backend`, `release_lock_on_cudamalloc`, `pinned_use_background_threads`) are accepted
+    /// and validated;
     /// unknown keys and malformed values are errors.
     pub fn parse(text: &str) -> Result<Config> {
         let mut c = Config::default();
@@ -103,7 +122,15 @@ impl Config {
                     }
                     c.pinned_num_register_threads = n;
                 }
-                "expandable_segments" | "release_lock_on_cudamalloc" | "pinned_use_background_threads" => {
+                "expandable_segments" => c.expandable_segments = parse_bool(key, value)?,
+                "policy" => {
+                    c.policy = match value {
+                        "pytorch" => Policy::PyTorch,
+                        "compact" => Policy::Compact,
+                        _ => return Err(bad(key, value, "`pytorch` or `compact`")),
+                    }
+                }
+                "release_lock_on_cudamalloc" | "pinned_use_background_threads" => {
                     parse_bool(key, value)?;
                 }
                 "backend" => {
@@ -116,7 +143,7 @@ impl Config {
                     return Err(Error::Config(format!(
                         "unknown option `{key}` (known: max_split_size_mb, garbage_collection_threshold, \
                          pinned_use_cuda_host_register, pinned_num_register_threads, expandable_segments, \
-                         roundup_power2_divisions, backend, release_lock_on_cudamalloc)"
+                         policy, roundup_power2_divisions, backend, release_lock_on_cudamalloc)"
                     )))
                 }
             }
@@ -283,6 +310,19 @@ mod tests {
     }
 
     #[test]
+    fn expandable_segments_and_the_compact_policy_are_opt_in() {
+        assert!(!Config::default().expandable_segments);
+        assert_eq!(Config::default().policy, Policy::PyTorch);
+        let c = Config::parse("expandable_segments:True,policy:compact").unwrap();
+        assert!(c.expandable_segments);
+        assert_eq!(c.policy, Policy::Compact);
+        assert_eq!(
+            Config::parse("policy:pytorch").unwrap().policy,
+            Policy::PyTorch
+        );
+    }
+
+    #[test]
     fn roundup_divisions_parse_as_a_number_or_a_list() {
         let c = Config::parse("roundup_power2_divisions:4").unwrap();
         assert_eq!(c.divisions_for(1 << 20), 4);
@@ -310,6 +350,7 @@ mod tests {
             "garbage_collection_threshold:1.5",
             "pinned_num_register_threads:3",
             "expandable_segments:maybe",
+            "policy:smallest",
         ] {
             let e = Config::parse(bad).unwrap_err();
             assert!(matches!(e, Error::Config(_)), "{bad}");

@@ -3,6 +3,7 @@
 //! - [`device`]: the CUDA caching device allocator (PyTorch's CUDACachingAllocator semantics);
 //! - [`host`]: the caching pinned-host allocator;
 //! - [`plan`]: memory planners for static workloads;
+//! - [`replay`]: PyTorch memory snapshots read and replayed on the simulated device;
 //! - [`driver`]: the only code that talks to a GPU driver (NVIDIA through cudarc, or the
 //!   simulated device);
 //! - [`capi`]: the C boundary, described by `include/tensoralloc.h`.
@@ -14,6 +15,8 @@ pub mod driver;
 pub mod error;
 pub mod host;
 pub mod plan;
+/// cbindgen:ignore
+pub mod replay;
 pub mod runtime;
 
 pub use error::{Error, Result};

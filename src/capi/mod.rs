@@ -19,6 +19,7 @@ pub mod host;
 pub mod plan;
 pub mod pools;
 pub mod sim;
+pub mod snapshot;
 pub mod version;
 
 /// A CUDA stream (`cudaStream_t`, `CUstream`). Opaque: tensoralloc only passes it to the driver

@@ -61,6 +61,11 @@ impl FreeIndex {
         }
     }
 
+    /// The keys at or above `from`, in order (slow paths only: it walks the bins below too).
+    pub fn iter_from(&self, from: Key) -> impl Iterator<Item = Key> + '_ {
+        self.iter().skip_while(move |k| *k < from)
+    }
+
     /// Every key, in order.
     pub fn iter(&self) -> Box<dyn Iterator<Item = Key> + '_> {
         let mut binned = self.bins.iter().peekable();
@@ -326,6 +331,8 @@ mod tests {
             );
         }
         assert!(index.iter().eq(model.iter().copied()));
+        let probe = (20 * 512, 0, 0);
+        assert!(index.iter_from(probe).eq(model.range(probe..).copied()));
         assert!(!index.remove(&(1, 1, 1)));
     }
 }

@@ -17,9 +17,12 @@
 //! ([`graph`]), the memory fraction ([`limit`]), base allocations ([`DeviceAllocator::base_allocation`]).
 
 mod events;
+mod expandable;
 mod free_index;
 pub mod graph;
+pub mod history;
 mod limit;
+mod policy;
 pub mod shard;
 pub mod size;
 pub mod stats;
@@ -31,11 +34,12 @@ use std::sync::Arc;
 
 use parking_lot::{Mutex, MutexGuard, RwLock};
 
-use crate::config::{roundup_interval, Config, ROUNDUP_INTERVALS};
+use crate::config::{roundup_interval, Config, Policy, ROUNDUP_INTERVALS};
 use crate::driver::{Driver, Event, Stream};
 use crate::error::{Error, Result};
 use events::EventPool;
 use graph::GraphPools;
+use history::Action;
 use limit::MemoryLimit;
 use shard::{ShardInner, StatSink, State};
 use size::{format_bytes, round_size_with, segment_size, PoolKind, MAX_REQUEST};
@@ -69,6 +73,10 @@ pub struct DeviceAllocator {
     segments: RwLock<BTreeMap<usize, (usize, u32)>>,
     events: EventPool,
     counters: DeviceCounters,
+    /// How expandable segments are laid out; `None` for ordinary segments.
+    layout: Option<expandable::Layout>,
+    policy: Policy,
+    history: history::History,
     graph: GraphPools,
     limit: MemoryLimit,
 }
@@ -100,7 +108,10 @@ impl DeviceAllocator {
                 driver.name()
             )));
         }
+        let layout = policy::layout(&*driver, device, config);
         Ok(DeviceAllocator {
+            layout,
+            policy: config.policy,
             device,
             driver,
             max_split_size: config.max_split_size,
@@ -110,6 +121,7 @@ impl DeviceAllocator {
             segments: RwLock::new(BTreeMap::new()),
             events: EventPool::new(device),
             counters: DeviceCounters::default(),
+            history: history::History::default(),
             graph: GraphPools::default(),
             limit: MemoryLimit::default(),
         })
@@ -196,55 +208,65 @@ impl DeviceAllocator {
             let found = inner.take_best_fit(pool, rounded, self.max_split_size);
             let id = match found {
                 Some(id) => id,
-                None => {
-                    let seg = segment_size(rounded);
-                    if self.gc_threshold > 0.0 && !self.capture_blocks(stream) {
-                        self.collect_garbage(shard, &mut inner, seg);
+                None => match self.new_memory(shard, &mut inner, pool, rounded, stream) {
+                    Ok(id) => id,
+                    Err(Error::OutOfMemory(_)) if !retried => {
+                        drop(inner);
+                        DeviceCounters::bump(&self.counters.num_alloc_retries);
+                        if !self.capture_blocks(stream) {
+                            self.release_cached()?;
+                        }
+                        retried = true;
+                        continue;
                     }
-                    let grown = self
-                        .check_limit(seg)
-                        .and_then(|()| self.driver.mem_alloc(self.device, seg));
-                    match grown {
-                        Ok(addr) => {
-                            DeviceCounters::bump(&self.counters.num_device_alloc);
-                            self.segments.write().insert(addr, (seg, shard.index));
-                            inner.add_segment(
-                                addr,
-                                seg,
-                                pool,
-                                self.max_split_size,
-                                &mut self.sink(shard),
-                            )
-                        }
-                        Err(Error::OutOfMemory(_)) if !retried => {
-                            drop(inner);
-                            DeviceCounters::bump(&self.counters.num_alloc_retries);
-                            if !self.capture_blocks(stream) {
-                                self.release_cached()?;
-                            }
-                            retried = true;
-                            continue;
-                        }
-                        Err(Error::OutOfMemory(_)) => {
-                            drop(inner);
-                            DeviceCounters::bump(&self.counters.num_ooms);
-                            return Err(self.out_of_memory(size));
-                        }
-                        Err(e) => return Err(e),
+                    Err(Error::OutOfMemory(reason)) => {
+                        drop(inner);
+                        DeviceCounters::bump(&self.counters.num_ooms);
+                        self.note(Action::Oom, 0, size, stream);
+                        return Err(self.out_of_memory(size, &reason));
                     }
-                }
+                    Err(e) => return Err(e),
+                },
             };
-            return Ok(inner.allocate(
+            let addr = inner.allocate(
                 id,
                 rounded,
                 size,
                 self.max_split_size,
                 &mut self.sink(shard),
-            ));
+            );
+            self.note(Action::Alloc, addr, size, stream);
+            return Ok(addr);
         }
     }
 
-    fn out_of_memory(&self, size: usize) -> Error {
+    /// A new block of at least `rounded` bytes for `shard`: a new segment from the driver, or
+    /// memory mapped into an expandable segment. The block is out of its free index.
+    fn new_memory(
+        &self,
+        shard: &Shard,
+        inner: &mut ShardInner,
+        pool: PoolKind,
+        rounded: usize,
+        stream: Stream,
+    ) -> Result<u32> {
+        if let Some(layout) = &self.layout {
+            self.check_limit(rounded)?;
+            return self.grow(shard, inner, layout, pool, rounded);
+        }
+        let seg = segment_size(rounded);
+        if self.gc_threshold > 0.0 && !self.capture_blocks(stream) {
+            self.collect_garbage(shard, inner, seg);
+        }
+        self.check_limit(seg)?;
+        let addr = self.driver.mem_alloc(self.device, seg)?;
+        DeviceCounters::bump(&self.counters.num_device_alloc);
+        self.note(Action::SegmentAlloc, addr, seg, shard.stream);
+        self.segments.write().insert(addr, (seg, shard.index));
+        Ok(inner.add_segment(addr, seg, pool, self.max_split_size, &mut self.sink(shard)))
+    }
+
+    fn out_of_memory(&self, size: usize, reason: &str) -> Error {
         let stats = self.stats();
         let allocated = stats.allocated_bytes[0].current.max(0) as u64;
         let reserved = stats.reserved_bytes[0].current.max(0) as u64;
@@ -264,7 +286,8 @@ impl DeviceAllocator {
         Error::OutOfMemory(format!(
             "tried to allocate {} on device {}; {device_text}. Of the memory in use, {} is allocated \
              by tensoralloc{allowed} and {} is reserved by tensoralloc but unallocated. If reserved but \
-             unallocated memory is large, try max_split_size_mb in TENSORALLOC_CONF to reduce fragmentation.",
+             unallocated memory is large, try max_split_size_mb in TENSORALLOC_CONF to reduce fragmentation. \
+             (Driver: {reason})",
             format_bytes(size as u64),
             self.device,
             format_bytes(allocated),
@@ -297,6 +320,7 @@ impl DeviceAllocator {
         let Some((shard, inner, id)) = found else {
             return Ok(false);
         };
+        self.note_block(Action::FreeRequested, shard, &inner, id);
         self.finish_free(shard, inner, id)?;
         Ok(true)
     }
@@ -319,6 +343,7 @@ impl DeviceAllocator {
         id: u32,
     ) -> Result<()> {
         if inner.block(id).stream_uses.is_empty() {
+            self.note_block(Action::FreeCompleted, shard, &inner, id);
             inner.release(id, &mut self.sink(shard));
             if shard.private && self.private_shard_unused(shard) {
                 self.trim_private_shard(shard, &mut inner);
@@ -367,6 +392,7 @@ impl DeviceAllocator {
             }
         }
         if recorded.is_empty() {
+            self.note_block(Action::FreeCompleted, shard, &inner, id);
             inner.release(id, &mut self.sink(shard));
         } else {
             inner.block_mut(id).events_left = recorded.len() as u32;
@@ -464,6 +490,7 @@ impl DeviceAllocator {
         let b = inner.block_mut(id);
         b.events_left -= 1;
         if b.events_left == 0 {
+            self.note_block(Action::FreeCompleted, shard, inner, id);
             inner.release(id, &mut self.sink(shard));
         }
     }
@@ -476,7 +503,8 @@ impl DeviceAllocator {
             self.events.put(event);
             self.event_done(shard, inner, id);
         }
-        self.release_segments(shard, inner, usize::MAX)
+        let released = self.release_segments(shard, inner, usize::MAX)?;
+        Ok(released + self.release_expandable(shard, inner)?)
     }
 
     /// Returns unused whole segments of `shard` to the driver until `goal` bytes are released.
@@ -496,6 +524,7 @@ impl DeviceAllocator {
             inner.remove_segment(id, self.max_split_size, &mut self.sink(shard));
             self.segments.write().remove(&addr);
             DeviceCounters::bump(&self.counters.num_device_free);
+            self.note(Action::SegmentFree, addr, size, shard.stream);
             released += size;
         }
         Ok(released)
@@ -552,6 +581,13 @@ impl DeviceAllocator {
                 self.process_events(shard, &mut inner);
             }
         }
+    }
+
+    /// Bytes allocated to clients and bytes reserved from the driver right now, summed over
+    /// streams: two of [`DeviceAllocator::stats`]' values without collecting the rest.
+    pub fn current_bytes(&self) -> (u64, u64) {
+        let get = |kind| self.total_current(stats::aggregate(kind)).max(0) as u64;
+        (get(StatKind::AllocatedBytes), get(StatKind::ReservedBytes))
     }
 
     /// The device's statistics. Never blocks allocation.
@@ -668,9 +704,20 @@ impl Drop for DeviceAllocator {
             for (event, _) in std::mem::take(&mut inner.pending) {
                 let _ = self.driver.event_destroy(self.device, event);
             }
+            if let Some((event, _)) = inner.exp.batch.take() {
+                let _ = self.driver.event_destroy(self.device, event);
+            }
+        }
+        let mut ranges = std::collections::HashSet::new();
+        for shard in self.shards.iter() {
+            let mut inner = shard.inner.lock();
+            ranges.extend(inner.exp.segments.iter().map(|s| s.base));
+            inner.drop_all(&*self.driver, self.device);
         }
         for (&addr, _) in self.segments.read().iter() {
-            let _ = self.driver.mem_free(self.device, addr);
+            if !ranges.contains(&addr) {
+                let _ = self.driver.mem_free(self.device, addr);
+            }
         }
         self.events.destroy_all(&self.driver);
     }

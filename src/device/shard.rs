@@ -31,6 +31,9 @@ pub(crate) enum State {
     Allocated,
     /// Freed by the client, waiting for events on the streams that used it.
     AwaitingEvents,
+    /// Address space of an expandable segment with no memory mapped behind it (never in a
+    /// free index; see [`super::expandable`]).
+    Unmapped,
 }
 
 pub(crate) struct Block {
@@ -45,10 +48,17 @@ pub(crate) struct Block {
     pub events_left: u32,
     /// Other streams that used the block (`record_stream`).
     pub stream_uses: Vec<Stream>,
+    /// The expandable segment of the shard the block lies in, or [`NONE`] for an ordinary
+    /// segment.
+    pub exp: u32,
+    /// The shard's free counter when the block was last freed (see
+    /// [`super::expandable::ExpState::frees`]): its memory is idle once an event recorded at
+    /// or after that count has completed.
+    pub freed_at: u64,
 }
 
 impl Block {
-    fn is_split(&self) -> bool {
+    pub(crate) fn is_split(&self) -> bool {
         self.prev != NONE || self.next != NONE
     }
 }
@@ -96,10 +106,12 @@ pub(crate) struct ShardInner {
     pub live: HashMap<usize, u32, BuildHasherDefault<AddrHasher>>,
     /// Events recorded for blocks in [`State::AwaitingEvents`].
     pub pending: Vec<(Event, u32)>,
+    /// Expandable segments of the shard.
+    pub exp: super::expandable::ExpState,
 }
 
 impl ShardInner {
-    fn new_block(&mut self, block: Block) -> u32 {
+    pub(super) fn new_block(&mut self, block: Block) -> u32 {
         match self.spare.pop() {
             Some(id) => {
                 self.blocks[id as usize] = block;
@@ -112,7 +124,7 @@ impl ShardInner {
         }
     }
 
-    fn drop_block(&mut self, id: u32) {
+    pub(super) fn drop_block(&mut self, id: u32) {
         let b = &mut self.blocks[id as usize];
         b.prev = NONE;
         b.next = NONE;
@@ -128,21 +140,29 @@ impl ShardInner {
         &mut self.blocks[id as usize]
     }
 
-    fn index_of(&mut self, pool: PoolKind) -> &mut FreeIndex {
+    pub(super) fn small_index(&self) -> &FreeIndex {
+        &self.small
+    }
+
+    pub(super) fn large_index(&self) -> &FreeIndex {
+        &self.large
+    }
+
+    pub(super) fn index_of(&mut self, pool: PoolKind) -> &mut FreeIndex {
         match pool {
             PoolKind::Small => &mut self.small,
             PoolKind::Large => &mut self.large,
         }
     }
 
-    fn insert_free(&mut self, id: u32) {
+    pub(super) fn insert_free(&mut self, id: u32) {
         let b = &self.blocks[id as usize];
         let key = (b.size, b.addr, id);
         let pool = b.pool;
         self.index_of(pool).insert(key);
     }
 
-    fn remove_free(&mut self, id: u32) {
+    pub(super) fn remove_free(&mut self, id: u32) {
         let b = &self.blocks[id as usize];
         let key = (b.size, b.addr, id);
         let pool = b.pool;
@@ -156,7 +176,10 @@ impl ShardInner {
         rounded: usize,
         max_split_size: usize,
     ) -> Option<u32> {
-        let (size, _, id) = self.index_of(pool).first_at_least((rounded, 0, 0))?;
+        let (mut size, _, mut id) = self.index_of(pool).first_at_least((rounded, 0, 0))?;
+        if self.blocks[id as usize].exp != NONE && self.exp.prefer_settled {
+            (size, id) = self.prefer_settled(pool, size, id);
+        }
         // Larger candidates would break the oversize rules too, so the first one decides.
         if !super::size::block_fits(size, rounded, max_split_size) {
             return None;
@@ -189,6 +212,8 @@ impl ShardInner {
             pool,
             events_left: 0,
             stream_uses: Vec::new(),
+            exp: NONE,
+            freed_at: 0,
         })
     }
 
@@ -210,10 +235,17 @@ impl ShardInner {
             stats.both(StatKind::InactiveSplit, pool, -1);
             stats.both(StatKind::InactiveSplitBytes, pool, -(size as i64));
         }
-        if should_split(pool, size, rounded, max_split_size) {
-            let (addr, next) = {
+        let exp = self.blocks[id as usize].exp;
+        let split = if exp == NONE {
+            should_split(pool, size, rounded, max_split_size)
+        } else {
+            // Expandable segments split any worthwhile rest, whatever the pool (PyTorch does).
+            size - rounded >= super::size::MIN_BLOCK_SIZE
+        };
+        if split {
+            let (addr, next, freed_at) = {
                 let b = &self.blocks[id as usize];
-                (b.addr, b.next)
+                (b.addr, b.next, b.freed_at)
             };
             let rest = self.new_block(Block {
                 addr: addr + rounded,
@@ -225,6 +257,8 @@ impl ShardInner {
                 pool,
                 events_left: 0,
                 stream_uses: Vec::new(),
+                exp,
+                freed_at,
             });
             if next != NONE {
                 self.blocks[next as usize].prev = rest;
@@ -282,6 +316,9 @@ impl ShardInner {
             b.stream_uses.clear();
             (b.pool, b.size)
         };
+        self.exp.frees += 1;
+        let freed_at = self.exp.frees;
+        self.blocks[id as usize].freed_at = freed_at;
         stats.both(StatKind::Active, pool, -1);
         stats.both(StatKind::ActiveBytes, pool, -(size as i64));
 
@@ -335,7 +372,10 @@ impl ShardInner {
             .iter()
             .chain(self.large.iter())
             .map(|(_, _, id)| id)
-            .filter(|&id| !self.blocks[id as usize].is_split())
+            .filter(|&id| {
+                let b = &self.blocks[id as usize];
+                !b.is_split() && b.exp == NONE
+            })
             .collect()
     }
 
@@ -357,5 +397,36 @@ impl ShardInner {
         }
         self.drop_block(id);
         (addr, size)
+    }
+}
+
+impl ShardInner {
+    /// The blocks of every segment of the shard, each segment in address order (for snapshots).
+    pub fn segments(&self) -> Vec<Vec<&Block>> {
+        let spare: std::collections::HashSet<u32> = self.spare.iter().copied().collect();
+        let mut out = Vec::new();
+        for (id, b) in self.blocks.iter().enumerate() {
+            if b.prev != NONE || spare.contains(&(id as u32)) {
+                continue;
+            }
+            // An expandable segment shows as one segment per run of mapped blocks.
+            let mut segment = Vec::new();
+            let mut cur = id as u32;
+            while cur != NONE {
+                let b = &self.blocks[cur as usize];
+                if b.state == State::Unmapped {
+                    if !segment.is_empty() {
+                        out.push(std::mem::take(&mut segment));
+                    }
+                } else {
+                    segment.push(b);
+                }
+                cur = b.next;
+            }
+            if !segment.is_empty() {
+                out.push(segment);
+            }
+        }
+        out
     }
 }

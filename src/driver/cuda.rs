@@ -18,7 +18,7 @@ use std::ptr;
 use cudarc::driver::sys::{self, CUcontext, CUresult};
 use once_cell::sync::OnceCell;
 
-use super::{Driver, Event, MemInfo, Stream};
+use super::{Driver, Event, MemInfo, PhysHandle, Stream};
 use crate::error::{Error, Result};
 
 /// The library name the message about a missing driver speaks of (cudarc tries this name and a
@@ -56,6 +56,19 @@ const REQUIRED_SYMBOLS: &[&str] = &[
     "cuMemHostUnregister",
 ];
 
+/// The virtual memory management entry points: optional. A driver without them still serves
+/// ordinary segments; expandable segments then fall back to them.
+const VMM_SYMBOLS: &[&str] = &[
+    "cuMemGetAllocationGranularity",
+    "cuMemAddressReserve",
+    "cuMemAddressFree",
+    "cuMemCreate",
+    "cuMemMap",
+    "cuMemSetAccess",
+    "cuMemUnmap",
+    "cuMemRelease",
+];
+
 /// A context handle shared between threads.
 #[derive(Clone, Copy, PartialEq, Eq)]
 struct Context(CUcontext);
@@ -81,6 +94,8 @@ pub struct CudaDriver {
     /// Our own `dlopen` reference to the library cudarc uses, so it stays loaded as long as we
     /// hold handles from it.
     library: LibraryHandle,
+    /// Whether the library has every virtual memory management entry point.
+    has_vmm: bool,
 }
 
 /// A `dlopen` handle, closed never: the driver must outlive every handle it gave out.
@@ -235,12 +250,30 @@ impl CudaDriver {
                 primary: OnceCell::new(),
             });
         }
+        let has_vmm = VMM_SYMBOLS.iter().all(|name| has_symbol(&library, name));
         let capture_info_v3 = has_symbol(&library, "cuStreamGetCaptureInfo_v3");
         Ok(CudaDriver {
             devices,
             capture_info_v3,
             library,
+            has_vmm,
         })
+    }
+
+    /// The allocation properties of pinned device memory on `device`.
+    fn vmm_prop(&self, device: usize) -> Result<sys::CUmemAllocationProp> {
+        let slot = self.slot(device)?;
+        if !self.has_vmm {
+            return Err(Error::Driver(format!(
+                "the NVIDIA driver library ({LIBCUDA}) has no virtual memory management entry points"
+            )));
+        }
+        // SAFETY: a plain C struct for which all-zero bytes are a valid (empty) value.
+        let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
+        prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+        prop.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+        prop.location.id = slot.device;
+        Ok(prop)
     }
 
     fn slot(&self, device: usize) -> Result<&DeviceSlot> {
@@ -671,6 +704,117 @@ impl Driver for CudaDriver {
             check(
                 unsafe { sys::cuMemHostUnregister(ptr as *mut c_void) },
                 &format!("cuMemHostUnregister({ptr:#x})"),
+            )
+        })
+    }
+
+    fn vmm_granularity(&self, device: usize) -> Result<usize> {
+        let prop = self.vmm_prop(device)?;
+        self.in_device(device, || {
+            let mut granularity = 0usize;
+            // SAFETY: valid out-pointer and property struct; the VMM symbols exist (checked at
+            // load), so cudarc's loader does not panic.
+            check(
+                unsafe {
+                    sys::cuMemGetAllocationGranularity(
+                        &mut granularity,
+                        &prop,
+                        sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+                    )
+                },
+                "cuMemGetAllocationGranularity",
+            )?;
+            if granularity == 0 || !granularity.is_power_of_two() {
+                return Err(Error::Driver(format!(
+                    "cuMemGetAllocationGranularity returned {granularity}, not a power of two"
+                )));
+            }
+            Ok(granularity)
+        })
+    }
+
+    fn vmm_reserve(&self, device: usize, size: usize) -> Result<usize> {
+        self.vmm_prop(device)?;
+        self.in_device(device, || {
+            let mut ptr: sys::CUdeviceptr = 0;
+            // SAFETY: valid out-pointer; no fixed address, default alignment; VMM symbols exist.
+            let r = unsafe { sys::cuMemAddressReserve(&mut ptr, size, 0, 0, 0) };
+            if r == CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+                return Err(Error::OutOfMemory(format!(
+                    "device {device}: cuMemAddressReserve of {size} bytes failed: {} (virtual address space exhausted)",
+                    error_text(r)
+                )));
+            }
+            check(r, &format!("cuMemAddressReserve of {size} bytes"))?;
+            Ok(ptr as usize)
+        })
+    }
+
+    fn vmm_free_range(&self, device: usize, addr: usize, size: usize) -> Result<()> {
+        self.vmm_prop(device)?;
+        self.in_device(device, || {
+            // SAFETY: the driver validates the range; VMM symbols exist.
+            check(
+                unsafe { sys::cuMemAddressFree(addr as sys::CUdeviceptr, size) },
+                &format!("cuMemAddressFree({addr:#x}, {size})"),
+            )
+        })
+    }
+
+    fn vmm_map(&self, device: usize, addr: usize, size: usize) -> Result<PhysHandle> {
+        let prop = self.vmm_prop(device)?;
+        self.in_device(device, || {
+            let mut handle: sys::CUmemGenericAllocationHandle = 0;
+            // SAFETY: valid out-pointer and property struct; VMM symbols exist.
+            let r = unsafe { sys::cuMemCreate(&mut handle, size, &prop, 0) };
+            if r == CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+                return Err(Error::OutOfMemory(format!(
+                    "device {device}: cuMemCreate of {size} bytes failed: {}",
+                    error_text(r)
+                )));
+            }
+            check(r, &format!("cuMemCreate of {size} bytes"))?;
+            let release = |e: Error| {
+                // SAFETY: the handle was just created and is not mapped (any more).
+                unsafe { sys::cuMemRelease(handle) };
+                e
+            };
+            // SAFETY: the handle holds `size` bytes; the driver validates the range.
+            check(
+                unsafe { sys::cuMemMap(addr as sys::CUdeviceptr, size, 0, handle, 0) },
+                &format!("cuMemMap({addr:#x}, {size})"),
+            )
+            .map_err(release)?;
+            let desc = sys::CUmemAccessDesc {
+                location: prop.location,
+                flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+            };
+            // SAFETY: one valid access descriptor for the range just mapped.
+            let access = check(
+                unsafe { sys::cuMemSetAccess(addr as sys::CUdeviceptr, size, &desc, 1) },
+                &format!("cuMemSetAccess({addr:#x}, {size})"),
+            );
+            if let Err(e) = access {
+                // SAFETY: the range was mapped just above.
+                unsafe { sys::cuMemUnmap(addr as sys::CUdeviceptr, size) };
+                return Err(release(e));
+            }
+            Ok(PhysHandle(handle))
+        })
+    }
+
+    fn vmm_unmap(&self, device: usize, addr: usize, size: usize, handle: PhysHandle) -> Result<()> {
+        self.vmm_prop(device)?;
+        self.in_device(device, || {
+            // SAFETY: the driver validates the range and the handle; VMM symbols exist.
+            check(
+                unsafe { sys::cuMemUnmap(addr as sys::CUdeviceptr, size) },
+                &format!("cuMemUnmap({addr:#x}, {size})"),
+            )?;
+            // SAFETY: as above; the handle's only mapping is gone.
+            check(
+                unsafe { sys::cuMemRelease(handle.0 as sys::CUmemGenericAllocationHandle) },
+                "cuMemRelease",
             )
         })
     }

@@ -24,6 +24,19 @@ pub struct MemInfo {
     pub total: u64,
 }
 
+/// Physical memory mapped into a reserved virtual range by [`Driver::vmm_map`]. Only
+/// meaningful to the driver that made it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct PhysHandle(pub u64);
+
+/// What a driver says when it has no virtual memory management: the caller falls back to
+/// ordinary allocations.
+fn no_vmm(name: &str) -> Error {
+    Error::Driver(format!(
+        "the {name} driver has no virtual memory management (CUDA_ERROR_NOT_SUPPORTED)"
+    ))
+}
+
 /// Everything the allocators need from a GPU driver.
 ///
 /// Implementations are thread-safe. Calls that take a `device` index run in that device's
@@ -83,6 +96,42 @@ pub trait Driver: Send + Sync {
 
     /// Undoes [`Driver::host_register`] for the range that starts at `ptr`.
     fn host_unregister(&self, ptr: usize) -> Result<()>;
+
+    /// The granularity of virtual memory mappings on `device` (the size and alignment every
+    /// [`Driver::vmm_map`] range must be a multiple of), or an error when the driver or device
+    /// has no virtual memory management.
+    fn vmm_granularity(&self, device: usize) -> Result<usize> {
+        let _ = device;
+        Err(no_vmm(self.name()))
+    }
+
+    /// Reserves `size` bytes (a multiple of the granularity) of virtual address space on
+    /// `device`, backed by nothing. Running out of address space is [`Error::OutOfMemory`].
+    fn vmm_reserve(&self, device: usize, size: usize) -> Result<usize> {
+        let _ = (device, size);
+        Err(no_vmm(self.name()))
+    }
+
+    /// Returns a range made by [`Driver::vmm_reserve`]; nothing may be mapped in it.
+    fn vmm_free_range(&self, device: usize, addr: usize, size: usize) -> Result<()> {
+        let _ = (device, addr, size);
+        Err(no_vmm(self.name()))
+    }
+
+    /// Creates one physical allocation of `size` bytes on `device`, maps it at `addr` (inside a
+    /// reserved range, granularity-aligned) and makes it readable and writable by `device`.
+    /// Out of device memory is [`Error::OutOfMemory`], and then nothing stays created.
+    fn vmm_map(&self, device: usize, addr: usize, size: usize) -> Result<PhysHandle> {
+        let _ = (device, addr, size);
+        Err(no_vmm(self.name()))
+    }
+
+    /// Unmaps `[addr, addr + size)`, mapped by one [`Driver::vmm_map`] that returned `handle`,
+    /// and releases the physical memory.
+    fn vmm_unmap(&self, device: usize, addr: usize, size: usize, handle: PhysHandle) -> Result<()> {
+        let _ = (device, addr, size, handle);
+        Err(no_vmm(self.name()))
+    }
 }
 
 /// Which backend `TENSORALLOC_DRIVER` asks for.

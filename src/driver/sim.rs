@@ -20,7 +20,7 @@ use std::sync::Arc;
 use once_cell::sync::Lazy;
 use parking_lot::Mutex;
 
-use super::{Driver, Event, MemInfo, Stream};
+use super::{Driver, Event, MemInfo, PhysHandle, Stream};
 use crate::config::parse_size;
 use crate::error::{Error, Result};
 
@@ -98,6 +98,9 @@ pub struct SimCounters {
     pub host_free: AtomicU64,
     pub host_register: AtomicU64,
     pub host_unregister: AtomicU64,
+    pub vmm_reserve: AtomicU64,
+    pub vmm_map: AtomicU64,
+    pub vmm_unmap: AtomicU64,
 }
 
 /// One device's address range and its free list.
@@ -115,6 +118,29 @@ struct DeviceState {
     free: BTreeMap<u64, u64>,
     /// Live allocations: start -> length.
     live: HashMap<u64, u64>,
+    vmm: VmmState,
+}
+
+/// Granularity of simulated virtual memory mappings (2 MiB, as on current NVIDIA GPUs).
+pub(crate) const SIM_GRANULARITY: usize = 2 << 20;
+
+/// Default virtual address space a simulated device lets its users reserve.
+const DEFAULT_ADDRESS_SPACE: u64 = 1 << 46;
+
+/// Reserved ranges and mapped pages of one simulated device. Mapped bytes count in
+/// [`DeviceState::used`] like ordinary allocations.
+#[derive(Default)]
+struct VmmState {
+    /// Reserved ranges: start -> size.
+    ranges: BTreeMap<u64, u64>,
+    reserved: u64,
+    /// Next address of an unbacked device's reservations.
+    next_unbacked: u64,
+    /// Mapped physical allocations: handle -> (address, size).
+    mapped: HashMap<u64, (u64, u64)>,
+    /// The same by address: start -> end.
+    by_addr: BTreeMap<u64, u64>,
+    next_handle: u64,
 }
 
 impl SimDevice {
@@ -160,6 +186,10 @@ impl SimDevice {
                 used: 0,
                 free,
                 live: HashMap::new(),
+                vmm: VmmState {
+                    next_unbacked: 0x4000_0000_0000 + (index as u64) * DEFAULT_ADDRESS_SPACE,
+                    ..VmmState::default()
+                },
             }),
         })
     }
@@ -225,12 +255,169 @@ impl SimDevice {
     }
 }
 
+impl SimDevice {
+    fn vmm_reserve(&self, size: usize, limit: u64) -> Result<usize> {
+        let size = size as u64;
+        if size == 0 || !size.is_multiple_of(SIM_GRANULARITY as u64) {
+            return Err(Error::Driver(format!(
+                "CUDA_ERROR_INVALID_VALUE: cannot reserve {size} bytes (not a positive multiple of the {SIM_GRANULARITY}-byte granularity)"
+            )));
+        }
+        let mut st = self.state.lock();
+        if st.vmm.reserved.saturating_add(size) > limit {
+            return Err(Error::OutOfMemory(format!(
+                "simulated device: virtual address space exhausted ({} of {limit} bytes reserved, {size} requested)",
+                st.vmm.reserved
+            )));
+        }
+        let start = if self.backed {
+            // SAFETY: a fresh anonymous inaccessible mapping with no address hint; checked
+            // against MAP_FAILED.
+            let p = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    size as usize,
+                    libc::PROT_NONE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                    -1,
+                    0,
+                )
+            };
+            if p == libc::MAP_FAILED {
+                return Err(Error::OutOfMemory(format!(
+                    "simulated device: cannot reserve {size} bytes of address space: {}",
+                    std::io::Error::last_os_error()
+                )));
+            }
+            p as u64
+        } else {
+            let start = st.vmm.next_unbacked;
+            st.vmm.next_unbacked += size;
+            start
+        };
+        st.vmm.ranges.insert(start, size);
+        st.vmm.reserved += size;
+        Ok(start as usize)
+    }
+
+    fn vmm_free_range(&self, addr: usize, size: usize) -> Result<()> {
+        let (addr, size) = (addr as u64, size as u64);
+        let mut st = self.state.lock();
+        if st.vmm.ranges.get(&addr) != Some(&size) {
+            return Err(Error::Driver(format!(
+                "CUDA_ERROR_INVALID_VALUE: [{addr:#x}, +{size}) is not a reserved range"
+            )));
+        }
+        if st.vmm.by_addr.range(addr..addr + size).next().is_some() {
+            return Err(Error::Driver(format!(
+                "CUDA_ERROR_INVALID_VALUE: the range at {addr:#x} still has mappings"
+            )));
+        }
+        st.vmm.ranges.remove(&addr);
+        st.vmm.reserved -= size;
+        if self.backed {
+            // SAFETY: the mapping was made by vmm_reserve with this address and size, and was
+            // removed from the table above, so it is unmapped once.
+            unsafe { libc::munmap(addr as *mut libc::c_void, size as usize) };
+        }
+        Ok(())
+    }
+
+    fn vmm_map(&self, addr: usize, size: usize) -> Result<PhysHandle> {
+        let (addr, size) = (addr as u64, size as u64);
+        let g = SIM_GRANULARITY as u64;
+        let mut st = self.state.lock();
+        let inside = st
+            .vmm
+            .ranges
+            .range(..=addr)
+            .next_back()
+            .is_some_and(|(&s, &l)| addr + size <= s + l);
+        if size == 0 || !addr.is_multiple_of(g) || !size.is_multiple_of(g) || !inside {
+            return Err(Error::Driver(format!(
+                "CUDA_ERROR_INVALID_VALUE: cannot map [{addr:#x}, +{size}): not a granularity-aligned part of a reserved range"
+            )));
+        }
+        let overlaps = st
+            .vmm
+            .by_addr
+            .range(..addr + size)
+            .next_back()
+            .is_some_and(|(_, &end)| end > addr);
+        if overlaps {
+            return Err(Error::Driver(format!(
+                "CUDA_ERROR_INVALID_VALUE: [{addr:#x}, +{size}) is already mapped"
+            )));
+        }
+        if st.used + size > self.capacity {
+            return Err(Error::OutOfMemory(format!(
+                "simulated device has {} bytes free of {}, {size} requested",
+                self.capacity - st.used,
+                self.capacity
+            )));
+        }
+        if self.backed {
+            // SAFETY: the range lies inside our own PROT_NONE reservation (checked above).
+            let r = unsafe {
+                libc::mprotect(
+                    addr as *mut libc::c_void,
+                    size as usize,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                )
+            };
+            if r != 0 {
+                return Err(Error::Driver(format!(
+                    "simulated device: cannot map pages: {}",
+                    std::io::Error::last_os_error()
+                )));
+            }
+        }
+        st.used += size;
+        st.vmm.next_handle += 1;
+        let handle = st.vmm.next_handle;
+        st.vmm.mapped.insert(handle, (addr, size));
+        st.vmm.by_addr.insert(addr, addr + size);
+        Ok(PhysHandle(handle))
+    }
+
+    fn vmm_unmap(&self, addr: usize, size: usize, handle: PhysHandle) -> Result<()> {
+        let (addr, size) = (addr as u64, size as u64);
+        let mut st = self.state.lock();
+        if st.vmm.mapped.get(&handle.0) != Some(&(addr, size)) {
+            return Err(Error::Driver(format!(
+                "CUDA_ERROR_INVALID_VALUE: [{addr:#x}, +{size}) is not mapped by handle {}",
+                handle.0
+            )));
+        }
+        st.vmm.mapped.remove(&handle.0);
+        st.vmm.by_addr.remove(&addr);
+        st.used -= size;
+        if self.backed {
+            // SAFETY: the range was mapped read-write by vmm_map inside our own reservation;
+            // dropping its pages and making it inaccessible again touches nothing else.
+            unsafe {
+                libc::madvise(
+                    addr as *mut libc::c_void,
+                    size as usize,
+                    libc::MADV_DONTNEED,
+                );
+                libc::mprotect(addr as *mut libc::c_void, size as usize, libc::PROT_NONE);
+            }
+        }
+        Ok(())
+    }
+}
+
 impl Drop for SimDevice {
     fn drop(&mut self) {
         if self.backed {
             // SAFETY: the mapping was made in `new` with this base and span and nothing else
             // refers to it once the device is dropped.
             unsafe { libc::munmap(self.base as *mut libc::c_void, self.span as usize) };
+            for (&start, &size) in &self.state.get_mut().vmm.ranges {
+                // SAFETY: reservations still listed were made by vmm_reserve and never unmapped.
+                unsafe { libc::munmap(start as *mut libc::c_void, size as usize) };
+            }
         }
     }
 }
@@ -297,6 +484,10 @@ pub struct SimDriver {
     events: Mutex<HashMap<u64, EventState>>,
     next_event: AtomicU64,
     host: Mutex<HashMap<usize, HostRange>>,
+    /// Whether virtual memory management is offered (tests turn it off).
+    vmm_supported: std::sync::atomic::AtomicBool,
+    /// Bytes of virtual address space each device lets its users reserve.
+    address_space: AtomicU64,
     /// Call counters.
     pub counters: SimCounters,
 }
@@ -323,6 +514,8 @@ impl SimDriver {
             events: Mutex::new(HashMap::new()),
             next_event: AtomicU64::new(1),
             host: Mutex::new(HashMap::new()),
+            vmm_supported: std::sync::atomic::AtomicBool::new(true),
+            address_space: AtomicU64::new(DEFAULT_ADDRESS_SPACE),
             counters: SimCounters::default(),
         })
     }
@@ -353,6 +546,34 @@ impl SimDriver {
                 self.devices.len()
             ))
         })
+    }
+
+    /// Offers virtual memory management or not (on by default), to test the fallback of
+    /// drivers that lack it.
+    pub fn set_vmm_supported(&self, supported: bool) {
+        self.vmm_supported.store(supported, Ordering::Relaxed);
+    }
+
+    /// Limits the virtual address space each device lets its users reserve (default 64 TiB).
+    pub fn set_address_space(&self, bytes: u64) {
+        self.address_space.store(bytes, Ordering::Relaxed);
+    }
+
+    /// Bytes of device memory mapped through virtual memory management on `device`.
+    pub fn mapped(&self, device: usize) -> u64 {
+        self.devices.get(device).map_or(0, |d| {
+            d.state.lock().vmm.mapped.values().map(|&(_, l)| l).sum()
+        })
+    }
+
+    fn vmm_device(&self, device: usize) -> Result<&SimDevice> {
+        if !self.vmm_supported.load(Ordering::Relaxed) {
+            return Err(Error::Driver(
+                "CUDA_ERROR_NOT_SUPPORTED: this simulated device has no virtual memory management"
+                    .into(),
+            ));
+        }
+        self.device(device)
     }
 
     fn bump(counter: &AtomicU64) {
@@ -560,6 +781,34 @@ impl Driver for SimDriver {
             host.remove(&ptr);
         }
         Self::bump(&self.counters.host_unregister);
+        Ok(())
+    }
+
+    fn vmm_granularity(&self, device: usize) -> Result<usize> {
+        self.vmm_device(device)?;
+        Ok(SIM_GRANULARITY)
+    }
+
+    fn vmm_reserve(&self, device: usize, size: usize) -> Result<usize> {
+        let limit = self.address_space.load(Ordering::Relaxed);
+        let p = self.vmm_device(device)?.vmm_reserve(size, limit)?;
+        Self::bump(&self.counters.vmm_reserve);
+        Ok(p)
+    }
+
+    fn vmm_free_range(&self, device: usize, addr: usize, size: usize) -> Result<()> {
+        self.vmm_device(device)?.vmm_free_range(addr, size)
+    }
+
+    fn vmm_map(&self, device: usize, addr: usize, size: usize) -> Result<PhysHandle> {
+        let h = self.vmm_device(device)?.vmm_map(addr, size)?;
+        Self::bump(&self.counters.vmm_map);
+        Ok(h)
+    }
+
+    fn vmm_unmap(&self, device: usize, addr: usize, size: usize, handle: PhysHandle) -> Result<()> {
+        self.vmm_device(device)?.vmm_unmap(addr, size, handle)?;
+        Self::bump(&self.counters.vmm_unmap);
         Ok(())
     }
 }

@@ -1,0 +1,564 @@
+//! Expandable segments: one reserved virtual range per stream and pool, grown by mapping
+//! physical memory at the lowest address where a request fits, shrunk by unmapping pages that
+//! hold no live block.
+//!
+//! Inside a range, blocks tile the address space as in an ordinary segment; address space with
+//! nothing mapped behind it is a block in [`State::Unmapped`], never in a free index. A free
+//! block always has memory mapped behind every byte. Memory is mapped in runs of whole pages
+//! (2 MiB for the small pool, 20 MiB for the large pool under PyTorch's rules; the driver's
+//! granularity under `policy:compact`), each run one physical allocation of at most
+//! `max_handle_pages` pages; a run is unmapped only when no live block touches it.
+//!
+//! Mapped bytes count as reserved bytes; each growth counts one device allocation and each
+//! unmapped free block one device free (`num_device_alloc` / `num_device_free` count
+//! `cuMemMap` and `cuMemUnmap` calls as PyTorch's do). A range counts as a segment while
+//! anything is mapped in it.
+
+use std::collections::BTreeMap;
+
+use super::shard::{Block, ShardInner, StatSink, State, NONE};
+use super::size::PoolKind;
+use super::stats::StatKind;
+use crate::driver::{Driver, Event, PhysHandle};
+use crate::error::{Error, Result};
+
+/// How expandable segments are laid out on a device.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Layout {
+    /// Page size of the small and the large pool.
+    pub page: [usize; 2],
+    /// Bytes of address space reserved per range.
+    pub reserve: [usize; 2],
+    /// Largest physical allocation, in pages.
+    pub max_handle_pages: usize,
+    /// Whether best fit passes over blocks that could grow (PyTorch's rule).
+    pub prefer_settled: bool,
+}
+
+impl Layout {
+    fn pool_index(pool: PoolKind) -> usize {
+        match pool {
+            PoolKind::Small => 0,
+            PoolKind::Large => 1,
+        }
+    }
+}
+
+/// One reserved range.
+pub(crate) struct ExpSegment {
+    pub base: usize,
+    pub size: usize,
+    pub page: usize,
+    pub pool: PoolKind,
+    /// Physical allocations mapped in the range: address -> (bytes, handle).
+    pub handles: BTreeMap<usize, (usize, PhysHandle)>,
+    /// Bytes mapped.
+    pub mapped: usize,
+    /// False once the range went back to the driver.
+    pub live: bool,
+}
+
+/// The expandable segments of one shard.
+#[derive(Default)]
+pub(crate) struct ExpState {
+    pub segments: Vec<ExpSegment>,
+    /// Unmapped blocks of the small and the large pool, by address.
+    unmapped: [BTreeMap<usize, u32>; 2],
+    /// Frees so far (each returned block takes the next count as its `freed_at`).
+    pub frees: u64,
+    /// Blocks freed at or before this count are idle on the GPU.
+    pub idle_upto: u64,
+    /// The event recorded for the latest batch of frees, and the count it covers.
+    pub batch: Option<(Event, u64)>,
+    /// [`Layout::prefer_settled`], once the shard has a range.
+    pub prefer_settled: bool,
+}
+
+/// What a change of mappings did, for the device counters.
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct Report {
+    pub maps: u64,
+    pub unmaps: u64,
+    pub bytes: usize,
+    /// Ranges reserved (address, size) or returned.
+    pub reserved: Option<(usize, usize)>,
+}
+
+/// Where unmapping may take memory from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Reclaim {
+    /// Every free block (after the shard's outstanding events were waited for).
+    All,
+    /// Free blocks whose frees are known idle and that hold at least `min` bytes; with
+    /// `keep_tails`, not those that end where address space is unmapped (where the shard
+    /// itself is about to grow).
+    Idle { keep_tails: bool, min: usize },
+}
+
+impl ShardInner {
+    fn unmapped_index(&mut self, pool: PoolKind) -> &mut BTreeMap<usize, u32> {
+        &mut self.exp.unmapped[Layout::pool_index(pool)]
+    }
+
+    /// The block's size plus the address space it could grow into.
+    fn expandable_size(&self, id: u32) -> usize {
+        let b = &self.blocks[id as usize];
+        match b.next {
+            n if n != NONE && self.blocks[n as usize].state == State::Unmapped => {
+                b.size + self.blocks[n as usize].size
+            }
+            _ => b.size,
+        }
+    }
+
+    /// PyTorch's best fit among expandable blocks: a block that could grow counts as large
+    /// as it could grow, so blocks that cannot are used first.
+    pub(super) fn prefer_settled(&self, pool: PoolKind, size: usize, id: u32) -> (usize, u32) {
+        let index = match pool {
+            PoolKind::Small => self.small_index(),
+            PoolKind::Large => self.large_index(),
+        };
+        let (mut size, mut id) = (size, id);
+        let mut key = (size, self.blocks[id as usize].addr, id);
+        while let Some(next) = index.first_at_least((key.0, key.1, key.2 + 1)) {
+            if self.blocks[id as usize].exp == NONE
+                || self.expandable_size(next.2) >= self.expandable_size(id)
+            {
+                break;
+            }
+            key = next;
+            (size, id) = (next.0, next.2);
+        }
+        (size, id)
+    }
+
+    /// Removes a free block's share of the inactive-split statistics (before it changes).
+    fn uncount_free(&self, id: u32, stats: &mut impl StatSink) {
+        let b = &self.blocks[id as usize];
+        if b.is_split() {
+            stats.both(StatKind::InactiveSplit, b.pool, -1);
+            stats.both(StatKind::InactiveSplitBytes, b.pool, -(b.size as i64));
+        }
+    }
+
+    fn count_free(&self, id: u32, stats: &mut impl StatSink) {
+        let b = &self.blocks[id as usize];
+        if b.is_split() {
+            stats.both(StatKind::InactiveSplit, b.pool, 1);
+            stats.both(StatKind::InactiveSplitBytes, b.pool, b.size as i64);
+        }
+    }
+
+    /// Splits `[addr, addr + size)` off the front of block `id` as a new block in `state`,
+    /// placed before it. Returns the new block.
+    fn split_front(&mut self, id: u32, size: usize, state: State) -> u32 {
+        let (addr, prev, pool, exp, freed_at) = {
+            let b = &self.blocks[id as usize];
+            (b.addr, b.prev, b.pool, b.exp, b.freed_at)
+        };
+        let front = self.new_block(Block {
+            addr,
+            size,
+            requested: 0,
+            prev,
+            next: id,
+            state,
+            pool,
+            events_left: 0,
+            stream_uses: Vec::new(),
+            exp,
+            freed_at,
+        });
+        if prev != NONE {
+            self.blocks[prev as usize].next = front;
+        }
+        let b = &mut self.blocks[id as usize];
+        b.prev = front;
+        b.addr += size;
+        b.size -= size;
+        front
+    }
+
+    /// Merges block `b` into its predecessor `a` (both in the same state, out of any index).
+    fn absorb_next(&mut self, a: u32, b: u32) {
+        let (bsize, bnext) = {
+            let x = &self.blocks[b as usize];
+            (x.size, x.next)
+        };
+        let freed_at = self.blocks[b as usize]
+            .freed_at
+            .max(self.blocks[a as usize].freed_at);
+        let x = &mut self.blocks[a as usize];
+        x.size += bsize;
+        x.next = bnext;
+        x.freed_at = freed_at;
+        if bnext != NONE {
+            self.blocks[bnext as usize].prev = a;
+        }
+        self.drop_block(b);
+    }
+
+    /// The lowest-addressed run of free and unmapped blocks of `pool` that holds `size` bytes
+    /// and contains unmapped space; returns its first block.
+    fn find_space(&self, pool: PoolKind, size: usize) -> Option<u32> {
+        let allocatable = |id: u32| {
+            id != NONE
+                && matches!(
+                    self.blocks[id as usize].state,
+                    State::Free | State::Unmapped
+                )
+        };
+        for &u in self.exp.unmapped[Layout::pool_index(pool)].values() {
+            let prev = self.blocks[u as usize].prev;
+            let start = if prev != NONE && self.blocks[prev as usize].state == State::Free {
+                prev
+            } else {
+                u
+            };
+            let (mut bytes, mut b) = (0, start);
+            while bytes < size && allocatable(b) {
+                bytes += self.blocks[b as usize].size;
+                b = self.blocks[b as usize].next;
+            }
+            if bytes >= size {
+                return Some(start);
+            }
+        }
+        None
+    }
+
+    /// Reserves a new range for `pool` on `driver`: one unmapped block spanning it.
+    fn reserve_range(
+        &mut self,
+        driver: &dyn Driver,
+        device: usize,
+        layout: &Layout,
+        pool: PoolKind,
+    ) -> Result<(usize, usize)> {
+        let p = Layout::pool_index(pool);
+        let size = layout.reserve[p];
+        let base = driver.vmm_reserve(device, size)?;
+        self.exp.prefer_settled = layout.prefer_settled;
+        let index = self.exp.segments.len() as u32;
+        self.exp.segments.push(ExpSegment {
+            base,
+            size,
+            page: layout.page[p],
+            pool,
+            handles: BTreeMap::new(),
+            mapped: 0,
+            live: true,
+        });
+        let id = self.new_block(Block {
+            addr: base,
+            size,
+            requested: 0,
+            prev: NONE,
+            next: NONE,
+            state: State::Unmapped,
+            pool,
+            events_left: 0,
+            stream_uses: Vec::new(),
+            exp: index,
+            freed_at: 0,
+        });
+        self.unmapped_index(pool).insert(base, id);
+        Ok((base, size))
+    }
+
+    /// Maps memory so that a free block of at least `rounded` bytes exists in an expandable
+    /// segment of `pool`, reserving a range first when none has room. Returns that block (out
+    /// of its free index, still counted as inactive split when it is split, like a block
+    /// taken by best fit). Out of memory leaves everything as it was.
+    #[allow(clippy::too_many_arguments)]
+    pub fn grow(
+        &mut self,
+        driver: &dyn Driver,
+        device: usize,
+        layout: &Layout,
+        pool: PoolKind,
+        rounded: usize,
+        stats: &mut impl StatSink,
+        report: &mut Report,
+    ) -> Result<u32> {
+        let p = Layout::pool_index(pool);
+        if rounded > layout.reserve[p] {
+            return Err(Error::OutOfMemory(format!(
+                "{rounded} bytes are more than the {} bytes of address space an expandable segment reserves",
+                layout.reserve[p]
+            )));
+        }
+        let start = match self.find_space(pool, rounded) {
+            Some(s) => s,
+            None => {
+                report.reserved = Some(self.reserve_range(driver, device, layout, pool)?);
+                self.find_space(pool, rounded)
+                    .ok_or_else(|| Error::Internal("a fresh range has no room".into()))?
+            }
+        };
+        // Map what is missing, block by block, merging the run into its first block.
+        let mut left = rounded;
+        let mut cur = start;
+        let mut first = NONE;
+        while left > 0 {
+            let (state, size) = {
+                let b = &self.blocks[cur as usize];
+                (b.state, b.size)
+            };
+            let piece = if state == State::Free {
+                self.remove_free(cur);
+                self.uncount_free(cur, stats);
+                left -= left.min(size);
+                cur
+            } else {
+                let page = self.exp.segments[self.blocks[cur as usize].exp as usize].page;
+                let want = left.next_multiple_of(page).min(size);
+                if let Err(e) = self.map_run(driver, device, layout, cur, want, stats, report) {
+                    self.restore_free(first, stats);
+                    return Err(e);
+                }
+                left -= left.min(want);
+                let addr = self.blocks[cur as usize].addr;
+                self.unmapped_index(pool).remove(&addr);
+                let mapped = if want == size {
+                    self.blocks[cur as usize].state = State::Free;
+                    cur
+                } else {
+                    let front = self.split_front(cur, want, State::Free);
+                    self.unmapped_index(pool).insert(addr + want, cur);
+                    front
+                };
+                self.blocks[mapped as usize].freed_at = 0;
+                mapped
+            };
+            let after = self.blocks[piece as usize].next;
+            if first == NONE {
+                first = piece;
+            } else {
+                self.absorb_next(first, piece);
+            }
+            cur = after;
+        }
+        // `first` spans the run now; merge a free block that follows it.
+        let next = self.blocks[first as usize].next;
+        if next != NONE && self.blocks[next as usize].state == State::Free {
+            self.remove_free(next);
+            self.uncount_free(next, stats);
+            self.absorb_next(first, next);
+        }
+        self.count_free(first, stats);
+        Ok(first)
+    }
+
+    /// Puts the run merged so far back in its free index after a failed growth.
+    fn restore_free(&mut self, first: u32, stats: &mut impl StatSink) {
+        if first != NONE {
+            self.count_free(first, stats);
+            self.insert_free(first);
+        }
+    }
+
+    /// Maps the first `want` bytes of the unmapped block `id`.
+    #[allow(clippy::too_many_arguments)]
+    fn map_run(
+        &mut self,
+        driver: &dyn Driver,
+        device: usize,
+        layout: &Layout,
+        id: u32,
+        want: usize,
+        stats: &mut impl StatSink,
+        report: &mut Report,
+    ) -> Result<()> {
+        let (addr, exp, pool) = {
+            let b = &self.blocks[id as usize];
+            (b.addr, b.exp as usize, b.pool)
+        };
+        let page = self.exp.segments[exp].page;
+        let chunk = page.saturating_mul(layout.max_handle_pages.max(1));
+        let mut done = 0;
+        let mut made: Vec<(usize, usize, PhysHandle)> = Vec::new();
+        while done < want {
+            let len = chunk.min(want - done);
+            match driver.vmm_map(device, addr + done, len) {
+                Ok(h) => made.push((addr + done, len, h)),
+                Err(e) => {
+                    for (a, l, h) in made {
+                        let _ = driver.vmm_unmap(device, a, l, h);
+                    }
+                    return Err(e);
+                }
+            }
+            done += len;
+        }
+        let seg = &mut self.exp.segments[exp];
+        for (a, l, h) in made {
+            seg.handles.insert(a, (l, h));
+        }
+        if seg.mapped == 0 {
+            stats.both(StatKind::Segment, pool, 1);
+        }
+        seg.mapped += want;
+        stats.both(StatKind::ReservedBytes, pool, want as i64);
+        report.maps += 1;
+        report.bytes += want;
+        Ok(())
+    }
+
+    /// Unmaps whole physical allocations inside free blocks of expandable segments until
+    /// `goal` bytes are unmapped. Returns what it did.
+    pub fn unmap_free(
+        &mut self,
+        driver: &dyn Driver,
+        device: usize,
+        reclaim: Reclaim,
+        goal: usize,
+        stats: &mut impl StatSink,
+    ) -> Result<Report> {
+        let mut report = Report::default();
+        // A block smaller than a page holds no whole physical allocation.
+        let smallest_page = self.exp.segments.iter().map(|s| s.page).min().unwrap_or(0);
+        let floor = match reclaim {
+            Reclaim::All => smallest_page,
+            Reclaim::Idle { min, .. } => min.max(smallest_page),
+        };
+        let candidates: Vec<u32> = self
+            .small_index()
+            .iter_from((floor, 0, 0))
+            .chain(self.large_index().iter_from((floor, 0, 0)))
+            .map(|(_, _, id)| id)
+            .filter(|&id| {
+                let b = &self.blocks[id as usize];
+                b.exp != NONE
+                    && match reclaim {
+                        Reclaim::All => true,
+                        Reclaim::Idle { keep_tails, min } => {
+                            b.freed_at <= self.exp.idle_upto
+                                && b.size >= min
+                                && !(keep_tails
+                                    && b.next != NONE
+                                    && self.blocks[b.next as usize].state == State::Unmapped)
+                        }
+                    }
+            })
+            .collect();
+        for id in candidates {
+            if report.bytes >= goal {
+                break;
+            }
+            self.unmap_block(driver, device, id, stats, &mut report)?;
+        }
+        Ok(report)
+    }
+
+    /// Unmaps the physical allocations that lie wholly inside free block `id`.
+    fn unmap_block(
+        &mut self,
+        driver: &dyn Driver,
+        device: usize,
+        id: u32,
+        stats: &mut impl StatSink,
+        report: &mut Report,
+    ) -> Result<()> {
+        let (addr, size, exp, pool) = {
+            let b = &self.blocks[id as usize];
+            (b.addr, b.size, b.exp as usize, b.pool)
+        };
+        let end = addr + size;
+        let inside: Vec<(usize, usize, PhysHandle)> = self.exp.segments[exp]
+            .handles
+            .range(addr..end)
+            .filter(|(&a, &(l, _))| a + l <= end)
+            .map(|(&a, &(l, h))| (a, l, h))
+            .collect();
+        let (Some(&(lo, _, _)), Some(&(last, last_len, _))) = (inside.first(), inside.last())
+        else {
+            return Ok(());
+        };
+        let hi = last + last_len;
+        for &(a, l, h) in &inside {
+            driver.vmm_unmap(device, a, l, h)?;
+            self.exp.segments[exp].handles.remove(&a);
+        }
+        let bytes = hi - lo;
+        self.remove_free(id);
+        self.uncount_free(id, stats);
+        // Cut the block into [addr, lo) free, [lo, hi) unmapped, [hi, end) free.
+        if lo > addr {
+            let front = self.split_front(id, lo - addr, State::Free);
+            self.count_free(front, stats);
+            self.insert_free(front);
+        }
+        let middle = if hi < end {
+            let m = self.split_front(id, hi - lo, State::Unmapped);
+            self.count_free(id, stats);
+            self.insert_free(id);
+            m
+        } else {
+            self.blocks[id as usize].state = State::Unmapped;
+            id
+        };
+        // Merge with unmapped neighbours.
+        let mut m = middle;
+        let prev = self.blocks[m as usize].prev;
+        if prev != NONE && self.blocks[prev as usize].state == State::Unmapped {
+            let pa = self.blocks[prev as usize].addr;
+            self.unmapped_index(pool).remove(&pa);
+            self.absorb_next(prev, m);
+            m = prev;
+        }
+        let next = self.blocks[m as usize].next;
+        if next != NONE && self.blocks[next as usize].state == State::Unmapped {
+            let na = self.blocks[next as usize].addr;
+            self.unmapped_index(pool).remove(&na);
+            self.absorb_next(m, next);
+        }
+        let ma = self.blocks[m as usize].addr;
+        self.unmapped_index(pool).insert(ma, m);
+        let seg = &mut self.exp.segments[exp];
+        seg.mapped -= bytes;
+        if seg.mapped == 0 {
+            stats.both(StatKind::Segment, pool, -1);
+        }
+        stats.both(StatKind::ReservedBytes, pool, -(bytes as i64));
+        report.unmaps += 1;
+        report.bytes += bytes;
+        Ok(())
+    }
+
+    /// Returns the address space of ranges with nothing mapped to the driver. Returns the
+    /// ranges released.
+    pub fn free_empty_ranges(&mut self, driver: &dyn Driver, device: usize) -> Result<Vec<usize>> {
+        let mut released = Vec::new();
+        for i in 0..self.exp.segments.len() {
+            let seg = &self.exp.segments[i];
+            if !seg.live || seg.mapped != 0 {
+                continue;
+            }
+            let (base, size, pool) = (seg.base, seg.size, seg.pool);
+            let Some(id) = self.unmapped_index(pool).remove(&base) else {
+                continue;
+            };
+            driver.vmm_free_range(device, base, size)?;
+            self.drop_block(id);
+            self.exp.segments[i].live = false;
+            released.push(base);
+        }
+        Ok(released)
+    }
+
+    /// Unmaps everything and returns every range (when the allocator goes away).
+    pub fn drop_all(&mut self, driver: &dyn Driver, device: usize) {
+        for seg in &mut self.exp.segments {
+            if !seg.live {
+                continue;
+            }
+            for (&a, &(l, h)) in &seg.handles {
+                let _ = driver.vmm_unmap(device, a, l, h);
+            }
+            seg.handles.clear();
+            let _ = driver.vmm_free_range(device, seg.base, seg.size);
+            seg.live = false;
+        }
+    }
+}

@@ -1,0 +1,75 @@
+//! Expandable segments and the compact policy on the NVIDIA driver backend (cudarc) against
+//! the fake `libcuda.so.1`: reserved ranges, physical allocations, mappings and access rights
+//! through real driver calls. Needs `cargo build -p fakecuda` first.
+
+mod cuda_support;
+
+use cuda_support::{cuda_driver, hold_stream, release_stream};
+use tensoralloc::config::Config;
+use tensoralloc::device::DeviceAllocator;
+use tensoralloc::driver::Driver;
+
+const MIB: usize = 1 << 20;
+
+fn allocator(conf: &str) -> DeviceAllocator {
+    DeviceAllocator::new(cuda_driver(), 0, &Config::parse(conf).unwrap()).unwrap()
+}
+
+#[test]
+fn the_fake_driver_reports_its_2mib_granularity() {
+    assert_eq!(cuda_driver().vmm_granularity(0).unwrap(), 2 * MIB);
+}
+
+#[test]
+fn expandable_memory_is_mapped_readable_and_writable() {
+    let a = allocator("expandable_segments:True");
+    let p = a.malloc(30 * MIB, 0).unwrap();
+    let q = a.malloc(5 * MIB, 0).unwrap();
+    assert_eq!(q, p + 30 * MIB, "one range, grown at its end");
+    assert_eq!(a.stats().reserved_bytes[0].current, 40 << 20);
+    // SAFETY: the fake maps device memory into this process; [p, p + 35 MiB) was allocated
+    // above and is read-write after cuMemSetAccess.
+    unsafe {
+        let bytes = std::slice::from_raw_parts_mut(p as *mut u8, 35 * MIB);
+        bytes[0] = 7;
+        bytes[35 * MIB - 1] = 9;
+        assert_eq!((bytes[0], bytes[35 * MIB - 1]), (7, 9));
+    }
+    a.free(p, Some(0)).unwrap();
+    a.free(q, Some(0)).unwrap();
+}
+
+#[test]
+fn empty_cache_unmaps_and_releases_through_the_driver() {
+    let a = allocator("expandable_segments:True");
+    let p = a.malloc(50 * MIB, 0).unwrap();
+    a.free(p, Some(0)).unwrap();
+    assert_eq!(a.stats().reserved_bytes[0].current, 60 << 20);
+    a.empty_cache().unwrap();
+    assert_eq!(a.stats().reserved_bytes[0].current, 0);
+    assert!(!a.owns(p), "the empty range was freed");
+}
+
+#[test]
+fn compact_moves_idle_pages_between_streams_once_their_event_completed() {
+    let a = allocator("policy:compact");
+    let (s1, s2) = (0x7100usize, 0x7200usize);
+    let p = a.malloc(8 * MIB, s1).unwrap();
+    hold_stream(s1);
+    a.free(p, Some(s1)).unwrap();
+    let q = a.malloc(8 * MIB, s2).unwrap();
+    assert_eq!(
+        a.stats().reserved_bytes[0].current,
+        16 << 20,
+        "s1's work is pending: its pages stay"
+    );
+    release_stream(s1);
+    a.free(q, Some(s2)).unwrap();
+    let r = a.malloc(16 * MIB, 0x7300).unwrap();
+    assert_eq!(
+        a.stats().reserved_bytes[0].current,
+        16 << 20,
+        "both moved to the third stream"
+    );
+    a.free(r, None).unwrap();
+}

@@ -1,0 +1,393 @@
+//! Expandable segments (`expandable_segments:True`) and the compact policy (`policy:compact`)
+//! on the simulated device, one behaviour per test.
+
+use std::sync::Arc;
+
+use tensoralloc::config::Config;
+use tensoralloc::device::DeviceAllocator;
+use tensoralloc::driver::sim::{self, SimDriver};
+use tensoralloc::Error;
+
+const MIB: usize = 1 << 20;
+const AGG: usize = 0;
+const SMALL: usize = 1;
+const LARGE: usize = 2;
+
+fn setup(capacity: usize, conf: &str) -> (Arc<SimDriver>, DeviceAllocator) {
+    let sim = SimDriver::shared(1, capacity as u64).unwrap();
+    let a = DeviceAllocator::new(sim.clone(), 0, &Config::parse(conf).unwrap()).unwrap();
+    (sim, a)
+}
+
+fn expandable(capacity: usize) -> (Arc<SimDriver>, DeviceAllocator) {
+    setup(capacity, "expandable_segments:True")
+}
+
+/// A stream handle no other test uses (the simulated streams are process-wide).
+fn unique_stream() -> usize {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    static NEXT: AtomicUsize = AtomicUsize::new(0x9000);
+    NEXT.fetch_add(0x10, Ordering::Relaxed)
+}
+
+fn reserved(a: &DeviceAllocator) -> i64 {
+    a.stats().reserved_bytes[AGG].current
+}
+
+#[test]
+fn growth_maps_whole_large_pages_at_the_end_of_one_range() {
+    let (sim, a) = expandable(1 << 30);
+    let s = unique_stream();
+    let p = a.malloc(30 * MIB, s).unwrap();
+    assert_eq!(reserved(&a), 40 << 20, "two 20 MiB pages");
+    assert_eq!(sim.mapped(0), 40 << 20);
+    let q = a.malloc(30 * MIB, s).unwrap();
+    assert_eq!(
+        q,
+        p + 30 * MIB,
+        "the second block follows the first in the same range"
+    );
+    assert_eq!(reserved(&a), 60 << 20, "only the missing page is mapped");
+    let st = a.stats();
+    assert_eq!(st.segment[AGG].current, 1, "one range, one segment");
+    assert_eq!(st.num_device_alloc, 2, "one mapping per growth");
+    assert_eq!(
+        sim.counters
+            .vmm_reserve
+            .load(std::sync::atomic::Ordering::Relaxed),
+        1
+    );
+    a.free(p, Some(s)).unwrap();
+    a.free(q, Some(s)).unwrap();
+}
+
+#[test]
+fn small_requests_grow_the_small_pool_range_by_2mib_pages() {
+    let (_sim, a) = expandable(1 << 30);
+    let s = unique_stream();
+    let p = a.malloc(1000, s).unwrap();
+    let st = a.stats();
+    assert_eq!(st.reserved_bytes[SMALL].current, 2 << 20);
+    assert_eq!(st.reserved_bytes[LARGE].current, 0);
+    a.free(p, Some(s)).unwrap();
+}
+
+#[test]
+fn mapped_bytes_count_as_reserved_and_free_pages_stay_mapped_until_empty_cache() {
+    let (sim, a) = expandable(1 << 30);
+    let s = unique_stream();
+    let p = a.malloc(50 * MIB, s).unwrap();
+    a.free(p, Some(s)).unwrap();
+    assert_eq!(reserved(&a), 60 << 20, "free pages are cached");
+    assert_eq!(a.stats().allocated_bytes[AGG].current, 0);
+    a.empty_cache().unwrap();
+    assert_eq!(reserved(&a), 0);
+    assert_eq!(sim.mapped(0), 0);
+    assert_eq!(sim.used(0), 0);
+    let st = a.stats();
+    assert_eq!(st.segment[AGG].current, 0);
+    assert_eq!(st.num_device_free, 1);
+    assert!(!a.owns(p), "the empty range went back to the driver");
+}
+
+#[test]
+fn empty_cache_unmaps_only_physical_allocations_without_live_blocks() {
+    let (sim, a) = expandable(1 << 30);
+    let s = unique_stream();
+    let p = a.malloc(40 * MIB, s).unwrap();
+    let q = a.malloc(20 * MIB, s).unwrap();
+    let r = a.malloc(10 * MIB, s).unwrap();
+    a.free(p, Some(s)).unwrap();
+    a.free(r, Some(s)).unwrap();
+    a.empty_cache().unwrap();
+    // Three growths: p's 40 MiB, q's 20 MiB and r's 20 MiB; only q's holds a live block.
+    assert_eq!(reserved(&a), 20 << 20);
+    assert_eq!(sim.mapped(0), 20 << 20);
+    let p2 = a.malloc(40 * MIB, s).unwrap();
+    assert_eq!(p2, p, "the lowest hole is mapped again first");
+    assert_eq!(reserved(&a), 60 << 20);
+    a.free(p2, Some(s)).unwrap();
+    a.free(q, Some(s)).unwrap();
+}
+
+#[test]
+fn a_physical_allocation_with_a_live_block_stays_mapped() {
+    let (sim, a) = expandable(1 << 30);
+    let s = unique_stream();
+    let p = a.malloc(30 * MIB, s).unwrap();
+    let q = a.malloc(30 * MIB, s).unwrap();
+    a.free(p, Some(s)).unwrap();
+    a.empty_cache().unwrap();
+    // p's growth mapped [0, 40 MiB) as one allocation, and q lives in [30, 60).
+    assert_eq!(reserved(&a), 60 << 20);
+    assert_eq!(sim.mapped(0), 60 << 20);
+    a.free(q, Some(s)).unwrap();
+    a.empty_cache().unwrap();
+    assert_eq!(reserved(&a), 0);
+}
+
+#[test]
+fn blocks_in_expandable_segments_split_whatever_the_rest() {
+    let (_sim, a) = expandable(1 << 30);
+    let s = unique_stream();
+    let p = a.malloc(19 * MIB, s).unwrap();
+    let q = a.malloc(512 * 1024 + 1, s).unwrap();
+    assert_eq!(
+        a.stats().allocated_bytes[SMALL].current,
+        512 * 1024 + 512,
+        "small requests use the small pool"
+    );
+    let r = a.malloc(2 * MIB, s).unwrap();
+    assert_eq!(
+        r,
+        p + 19 * MIB,
+        "the 1 MiB rest of the page was split off and grown"
+    );
+    a.free(p, Some(s)).unwrap();
+    a.free(q, Some(s)).unwrap();
+    a.free(r, Some(s)).unwrap();
+}
+
+#[test]
+fn out_of_memory_retry_unmaps_cached_pages_of_other_streams() {
+    let (sim, a) = expandable(100 << 20);
+    let (s1, s2) = (unique_stream(), unique_stream());
+    let p = a.malloc(60 * MIB, s1).unwrap();
+    a.free(p, Some(s1)).unwrap();
+    let q = a.malloc(60 * MIB, s2).unwrap();
+    let st = a.stats();
+    assert_eq!(st.num_alloc_retries, 1);
+    assert_eq!(reserved(&a), 60 << 20);
+    assert_eq!(sim.mapped(0), 60 << 20);
+    a.free(q, Some(s2)).unwrap();
+}
+
+#[test]
+fn a_request_above_capacity_is_a_pytorch_style_out_of_memory_error() {
+    let (sim, a) = expandable(100 << 20);
+    let e = a.malloc(200 * MIB, 0).unwrap_err();
+    assert!(matches!(e, Error::OutOfMemory(_)), "{e}");
+    assert!(e.message().contains("tried to allocate 200.00 MiB"), "{e}");
+    assert_eq!(sim.mapped(0), 0);
+    assert_eq!(a.stats().num_ooms, 1);
+    // Still usable.
+    let p = a.malloc(10 * MIB, 0).unwrap();
+    a.free(p, Some(0)).unwrap();
+}
+
+#[test]
+fn exhausted_address_space_is_an_out_of_memory_error() {
+    let (sim, a) = expandable(1 << 30);
+    sim.set_address_space(1 << 30);
+    let e = a.malloc(10 * MIB, unique_stream()).unwrap_err();
+    assert!(matches!(e, Error::OutOfMemory(_)), "{e}");
+    assert!(e.message().contains("address space"), "{e}");
+}
+
+#[test]
+fn without_vmm_expandable_segments_fall_back_to_ordinary_segments() {
+    let sim = SimDriver::shared(1, 1 << 30).unwrap();
+    sim.set_vmm_supported(false);
+    let config = Config::parse("expandable_segments:True").unwrap();
+    let a = DeviceAllocator::new(sim.clone(), 0, &config).unwrap();
+    let p = a.malloc(30 * MIB, 0).unwrap();
+    assert_eq!(
+        reserved(&a),
+        30 << 20,
+        "an ordinary segment of the rounded size"
+    );
+    assert_eq!(sim.mapped(0), 0);
+    a.free(p, Some(0)).unwrap();
+}
+
+#[test]
+fn dropping_the_allocator_unmaps_and_returns_every_range() {
+    let (sim, a) = expandable(1 << 30);
+    let p = a.malloc(30 * MIB, unique_stream()).unwrap();
+    let _ = p;
+    drop(a);
+    assert_eq!(sim.mapped(0), 0);
+    assert_eq!(sim.used(0), 0);
+}
+
+#[test]
+fn compact_maps_pages_of_the_driver_granularity() {
+    let (_sim, a) = setup(1 << 30, "policy:compact");
+    let p = a.malloc(3 * MIB, unique_stream()).unwrap();
+    assert_eq!(reserved(&a), 4 << 20);
+    let _ = p;
+}
+
+#[test]
+fn compact_reuses_idle_free_pages_of_another_stream_instead_of_growing() {
+    let (sim, a) = setup(1 << 30, "policy:compact");
+    let (s1, s2) = (unique_stream(), unique_stream());
+    let p = a.malloc(40 * MIB, s1).unwrap();
+    a.free(p, Some(s1)).unwrap();
+    let q = a.malloc(40 * MIB, s2).unwrap();
+    assert_eq!(reserved(&a), 40 << 20, "s1's idle pages moved to s2");
+    assert_eq!(sim.mapped(0), 40 << 20);
+    assert_eq!(
+        a.stats().num_alloc_retries,
+        0,
+        "no out-of-memory retry was needed"
+    );
+    a.free(q, Some(s2)).unwrap();
+}
+
+#[test]
+fn compact_leaves_pages_alone_until_the_event_after_their_free_completed() {
+    let (sim, a) = setup(1 << 30, "policy:compact");
+    let (s1, s2) = (unique_stream(), unique_stream());
+    let p = a.malloc(40 * MIB, s1).unwrap();
+    sim::hold_stream(s1);
+    a.free(p, Some(s1)).unwrap();
+    let q = a.malloc(40 * MIB, s2).unwrap();
+    assert_eq!(
+        reserved(&a),
+        80 << 20,
+        "s1's work may still use its pages: s2 grows"
+    );
+    let records = sim
+        .counters
+        .event_records
+        .load(std::sync::atomic::Ordering::Relaxed);
+    a.free(q, Some(s2)).unwrap();
+    let r = a.malloc(80 * MIB, unique_stream()).unwrap();
+    assert_eq!(
+        sim.counters
+            .event_records
+            .load(std::sync::atomic::Ordering::Relaxed),
+        records + 1,
+        "s1's pending batch event is queried, not recorded again (s2's batch gets one)"
+    );
+    assert!(reserved(&a) >= 120 << 20, "s1 still held: its pages stay");
+    sim::release_stream(s1);
+    a.free(r, None).unwrap();
+    let t = a.malloc(100 * MIB, unique_stream()).unwrap();
+    assert!(
+        reserved(&a) <= 120 << 20,
+        "after s1's work completed its pages are reused: {}",
+        reserved(&a)
+    );
+    a.free(t, None).unwrap();
+}
+
+#[test]
+fn compact_never_waits_for_a_held_stream() {
+    let (sim, a) = setup(1 << 30, "policy:compact");
+    let (s1, s2) = (unique_stream(), unique_stream());
+    let p = a.malloc(10 * MIB, s1).unwrap();
+    sim::hold_stream(s1);
+    a.free(p, Some(s1)).unwrap();
+    let syncs = sim
+        .counters
+        .event_syncs
+        .load(std::sync::atomic::Ordering::Relaxed);
+    let q = a.malloc(10 * MIB, s2).unwrap();
+    assert_eq!(
+        sim.counters
+            .event_syncs
+            .load(std::sync::atomic::Ordering::Relaxed),
+        syncs
+    );
+    sim::release_stream(s1);
+    a.free(q, Some(s2)).unwrap();
+}
+
+#[test]
+fn the_default_policy_is_unchanged_by_the_new_options() {
+    let (sim, a) = setup(1 << 30, "");
+    let p = a.malloc(30 * MIB, 0).unwrap();
+    assert_eq!(reserved(&a), 30 << 20);
+    assert_eq!(sim.mapped(0), 0);
+    assert_eq!(
+        sim.counters
+            .vmm_reserve
+            .load(std::sync::atomic::Ordering::Relaxed),
+        0
+    );
+    a.free(p, Some(0)).unwrap();
+}
+
+/// Random mallocs and frees on several streams: the statistics always agree with what the
+/// driver has mapped, and after everything is freed and the cache emptied nothing is left.
+fn random_workload_keeps_the_books(conf: &str) {
+    let (sim, a) = setup(2 << 30, conf);
+    let streams = [unique_stream(), unique_stream(), unique_stream()];
+    let mut live: Vec<(usize, usize)> = Vec::new();
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    for step in 0..4000 {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let s = streams[(x % 3) as usize];
+        if live.len() < 40 && !(x >> 8).is_multiple_of(3) {
+            let size = match (x >> 12) % 4 {
+                0 => (x >> 20) as usize % (1 << 20) + 1,
+                1 => (x >> 20) as usize % (12 << 20) + 1,
+                _ => (x >> 20) as usize % (40 << 20) + 1,
+            };
+            live.push((a.malloc(size, s).unwrap(), s));
+        } else if !live.is_empty() {
+            let (p, s) = live.swap_remove((x >> 30) as usize % live.len());
+            a.free(p, Some(s)).unwrap();
+        }
+        if step % 500 == 0 {
+            a.empty_cache().unwrap();
+        }
+        let st = a.stats();
+        assert_eq!(
+            st.reserved_bytes[AGG].current as u64,
+            sim.mapped(0),
+            "step {step}"
+        );
+        assert!(st.allocated_bytes[AGG].current <= st.reserved_bytes[AGG].current);
+    }
+    for (p, s) in live {
+        a.free(p, Some(s)).unwrap();
+    }
+    a.empty_cache().unwrap();
+    let st = a.stats();
+    assert_eq!(st.reserved_bytes[AGG].current, 0);
+    assert_eq!(st.allocated_bytes[AGG].current, 0);
+    assert_eq!(st.inactive_split[AGG].current, 0);
+    assert_eq!(st.inactive_split_bytes[AGG].current, 0);
+    assert_eq!(st.segment[AGG].current, 0);
+    assert_eq!(sim.used(0), 0);
+}
+
+#[test]
+fn expandable_segments_keep_the_books_under_a_random_workload() {
+    random_workload_keeps_the_books("expandable_segments:True");
+}
+
+#[test]
+fn the_compact_policy_keeps_the_books_under_a_random_workload() {
+    random_workload_keeps_the_books("policy:compact");
+}
+
+#[test]
+fn compact_records_no_event_while_a_graph_pool_is_active() {
+    let (sim, a) = setup(1 << 30, "policy:compact");
+    let (s1, s2) = (unique_stream(), unique_stream());
+    let p = a.malloc(10 * MIB, s1).unwrap();
+    a.free(p, Some(s1)).unwrap();
+    let records = sim
+        .counters
+        .event_records
+        .load(std::sync::atomic::Ordering::Relaxed);
+    let pool = (1, 0);
+    a.begin_allocate_to_pool(pool, None).unwrap();
+    let q = a.malloc(10 * MIB, s2).unwrap();
+    a.end_allocate_to_pool(pool).unwrap();
+    assert_eq!(
+        sim.counters
+            .event_records
+            .load(std::sync::atomic::Ordering::Relaxed),
+        records,
+        "a capture forbids recording events: s1's pages stay where they are"
+    );
+    a.free(q, Some(s2)).unwrap();
+    a.release_pool(pool).unwrap();
+}
