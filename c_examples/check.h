@@ -18,9 +18,4 @@
         }                                                                         \
     } while (0)
 
-/* A stream handle for the examples: any value is a stream to the simulated device. */
-static inline struct CUstream_st *stream_n(uintptr_t n) {
-    return (struct CUstream_st *)(n * 0x100);
-}
-
 #endif

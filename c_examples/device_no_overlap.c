@@ -1,8 +1,7 @@
 /* Allocates many sizes on several streams, fills each allocation with its own pattern and
  * checks that no two live allocations overlap and that no pattern was overwritten. */
-#include <string.h>
-
 #include "check.h"
+#include "cuda_shim.h"
 
 #define N 600
 
@@ -10,7 +9,7 @@ struct live {
     unsigned char *p;
     size_t size;
     unsigned char tag;
-    struct CUstream_st *stream;
+    CUstream stream;
 };
 
 static int overlaps(const struct live *a, const struct live *b) {
@@ -21,15 +20,19 @@ int main(void) {
     static const size_t sizes[] = {1, 511, 512, 513, 4096, 65536, 1u << 20, (1u << 20) + 1,
                                    3u << 20, 9u << 20, 10u << 20, 25u << 20};
     static struct live lives[N];
+    static unsigned char seen[25u << 20]; /* the largest size */
+    cuda_start();
+    CUstream streams[4];
+    for (int i = 0; i < 4; i++) CU(cuStreamCreate(&streams[i], 0));
     unsigned seed = 12345;
     for (int i = 0; i < N; i++) {
         seed = seed * 1103515245u + 12345u;
         size_t size = sizes[(seed >> 8) % (sizeof sizes / sizeof sizes[0])];
-        struct CUstream_st *s = stream_n(1 + (seed >> 16) % 4);
+        CUstream s = streams[(seed >> 16) % 4];
         unsigned char *p = tensoralloc_malloc(size, 0, s);
         CHECK(p != NULL, "malloc(%zu)", size);
         lives[i] = (struct live){p, size, (unsigned char)(i % 251 + 1), s};
-        memset(p, lives[i].tag, size);
+        CU(cuMemsetD8Async(dptr(p), lives[i].tag, size, s));
         /* Free every third one as we go, so blocks are reused and split. */
         if (i % 3 == 2) {
             struct live *v = &lives[i - 1];
@@ -41,8 +44,10 @@ int main(void) {
     for (int i = 0; i < N; i++) {
         if (!lives[i].p) continue;
         count++;
-        for (size_t k = 0; k < lives[i].size; k += 97)
-            CHECK(lives[i].p[k] == lives[i].tag, "allocation %d overwritten at %zu", i, k);
+        CU(cuMemcpyDtoHAsync(seen, dptr(lives[i].p), lives[i].size, lives[i].stream));
+        CU(cuStreamSynchronize(lives[i].stream));
+        for (size_t k = 0; k < lives[i].size; k++)
+            CHECK(seen[k] == lives[i].tag, "allocation %d overwritten at %zu", i, k);
         for (int j = i + 1; j < N; j++)
             if (lives[j].p) CHECK(!overlaps(&lives[i], &lives[j]), "allocations %d and %d overlap", i, j);
     }
@@ -57,5 +62,6 @@ int main(void) {
     uint64_t used = 1;
     if (tensoralloc_sim_device_used(0, &used) == TENSORALLOC_OK)
         CHECK(used == 0, "the driver got every segment back (%llu bytes left)", (unsigned long long)used);
+    for (int i = 0; i < 4; i++) CU(cuStreamDestroy(streams[i]));
     return 0;
 }

@@ -3,13 +3,20 @@
 #include <string.h>
 
 #include "check.h"
+#include "cuda_shim.h"
 
 int main(void) {
-    struct CUstream_st *main_stream = stream_n(1), *side = stream_n(2);
+    cuda_start();
+    CUstream main_stream, side;
+    CU(cuStreamCreate(&main_stream, 0));
+    CU(cuStreamCreate(&side, 0));
     int simulated = tensoralloc_sim_hold_stream(side) == TENSORALLOC_OK;
 
     void *p = tensoralloc_malloc(8192, 0, main_stream);
     CHECK(p, "malloc");
+    CU(cuMemsetD8Async(dptr(p), 0, 8192, main_stream));
+    CU(cuStreamSynchronize(main_stream)); /* the side stream may use p from now on */
+    CU(cuMemsetD8Async(dptr(p), 7, 8192, side));
     tensoralloc_record_stream(p, side);
     CHECK(tensoralloc_last_error()[0] == '\0', "record_stream succeeded");
     tensoralloc_free(p, 8192, 0, main_stream);
@@ -17,6 +24,7 @@ int main(void) {
     tensoralloc_device_stats s;
     CHECK(tensoralloc_get_device_stats(0, &s) == 0, "stats");
     CHECK(s.allocation[0].current == 0, "the client freed it");
+    if (!simulated) CU(cuStreamSynchronize(side)); /* on a GPU: let the side stream finish */
     void *q = tensoralloc_malloc(8192, 0, main_stream);
     if (simulated) {
         CHECK(s.active[0].current == 1, "the side stream still uses it");
@@ -34,5 +42,7 @@ int main(void) {
     tensoralloc_record_stream(&x, side);
     CHECK(strstr(tensoralloc_last_error(), "not a live allocation") != NULL, "unknown pointer reported");
     tensoralloc_free(r, 8192, 0, main_stream);
+    CU(cuStreamDestroy(main_stream));
+    CU(cuStreamDestroy(side));
     return 0;
 }

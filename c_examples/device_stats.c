@@ -1,8 +1,11 @@
 /* Statistics: counts and bytes per pool, peaks and their reset, accumulated totals. */
 #include "check.h"
+#include "cuda_shim.h"
 
 int main(void) {
-    struct CUstream_st *s1 = stream_n(1);
+    cuda_start();
+    CUstream s1;
+    CU(cuStreamCreate(&s1, 0));
     tensoralloc_device_stats s;
     CHECK(tensoralloc_reset_peak_stats(0) == 0 && tensoralloc_reset_accumulated_stats(0) == 0, "reset");
 

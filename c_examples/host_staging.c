@@ -5,24 +5,22 @@
  * cudaMemcpyAsync from the buffer), marked with tensoralloc_host_record_event and freed at
  * once. The pinned cache reuses a buffer only after the stream it was handed to has finished
  * with it. On the simulated device the second stream is held, so its buffers stay busy and
- * must never be handed out again until it is released. With a real driver both "streams" are
- * the legacy default stream (NULL), since a real program would pass the cudaStream_t values
- * it created. */
+ * must never be handed out again until it is released. */
 #include <string.h>
 
 #include "check.h"
+#include "cuda_shim.h"
 
 enum { CHUNK = 1 << 16, CHUNKS = 8 };
 
 static unsigned char source[CHUNK * CHUNKS];
 
 int main(void) {
-    int simulated = tensoralloc_sim_hold_stream(stream_n(22)) == TENSORALLOC_OK;
-    struct CUstream_st *streams[2] = {NULL, NULL};
-    if (simulated) {
-        streams[0] = stream_n(21);
-        streams[1] = stream_n(22);
-    }
+    cuda_start();
+    CUstream streams[2];
+    CU(cuStreamCreate(&streams[0], 0));
+    CU(cuStreamCreate(&streams[1], 0));
+    int simulated = tensoralloc_sim_hold_stream(streams[1]) == TENSORALLOC_OK;
     for (size_t i = 0; i < sizeof source; i++) source[i] = (unsigned char)(i * 31u + 7u);
 
     void *busy[CHUNKS];
@@ -48,8 +46,8 @@ int main(void) {
     CHECK(tensoralloc_host_get_stats(&s) == TENSORALLOC_OK, "stats");
     CHECK(s.allocations_current == 0, "every buffer was freed");
     if (simulated) {
-        /* Stream 21 finishes at once, so its buffer is reused by the next chunk; each buffer
-         * handed to the held stream 22 stays busy, so every second chunk pins a new one. */
+        /* The first stream finishes at once, so its buffer is reused by the next chunk; each
+         * buffer handed to the held second stream stays busy, so every second chunk pins a new one. */
         CHECK(s.driver_allocations == CHUNKS / 2, "%llu buffers pinned", (unsigned long long)s.driver_allocations);
         CHECK(s.active_blocks_current == CHUNKS / 2, "%llu buffers busy", (unsigned long long)s.active_blocks_current);
         printf("%llu pinned buffers served %d chunks; %llu wait for the held stream\n",

@@ -4,6 +4,7 @@
 #include <string.h>
 
 #include "check.h"
+#include "cuda_shim.h"
 
 /* One "iteration": a and b live together, c reuses a's bytes. `grow` changes c's size. */
 static void iteration(tensoralloc_profiling *p, size_t grow) {
@@ -100,7 +101,10 @@ int main(void) {
     tensoralloc_profiling_free(NULL);
 
     /* The same on device 0: the blob comes from the caching device allocator. */
-    tensoralloc_profiling *dev = tensoralloc_profiling_new(0, stream_n(1), 512);
+    cuda_start();
+    CUstream stream;
+    CU(cuStreamCreate(&stream, 0));
+    tensoralloc_profiling *dev = tensoralloc_profiling_new(0, stream, 512);
     if (dev) {
         /* Device memory is not host-writable on a real GPU: record and serve without touching it. */
         CHECK(tensoralloc_profiling_begin_recording(dev) == 0, "device recording");

@@ -2,6 +2,7 @@
  * together share a group; sizes reported in one iteration lay out the next one's buffer;
  * groups grow; managed outputs get their own buffer until released. */
 #include "check.h"
+#include "cuda_shim.h"
 
 int main(void) {
     /* v0..v3 form a chain (each dies as the one after next is made); v4 is an output. */
@@ -68,7 +69,10 @@ int main(void) {
     tensoralloc_storage_plan_free(NULL);
 
     /* The same on device 0: each iteration's buffer comes from the caching device allocator. */
-    tensoralloc_storage_plan *d = tensoralloc_storage_plan_new(5, first, last, output, 0, stream_n(1));
+    cuda_start();
+    CUstream stream;
+    CU(cuStreamCreate(&stream, 0));
+    tensoralloc_storage_plan *d = tensoralloc_storage_plan_new(5, first, last, output, 0, stream);
     if (d) {
         for (int iter = 0; iter < 2; iter++) {
             CHECK(tensoralloc_storage_plan_allocate(d) == 0, "device allocate");

@@ -1,22 +1,21 @@
 /* Quickstart: allocate on two streams, free, and print the device statistics.
  *
- *   cargo build --release
- *   cc -std=c99 -Iinclude c_examples/quickstart.c -Ltarget/release -ltensoralloc \
- *      -Wl,-rpath,$PWD/target/release -o quickstart
- *   TENSORALLOC_DRIVER=sim ./quickstart
+ *   scripts/quickstart     (builds and runs this on the GPU, or on the simulated device)
  */
-#include <string.h>
-
 #include "check.h"
+#include "cuda_shim.h"
 
 int main(void) {
-    struct CUstream_st *compute = stream_n(1), *copy = stream_n(2);
+    cuda_start();
+    CUstream compute, copy;
+    CU(cuStreamCreate(&compute, 0));
+    CU(cuStreamCreate(&copy, 0));
 
     void *a = tensoralloc_malloc(1000, 0, compute);        /* small pool: 2 MiB segment */
     void *b = tensoralloc_malloc(30u << 20, 0, compute);   /* large pool: own segment */
     void *c = tensoralloc_malloc(4096, 0, copy);           /* another stream's segment */
     CHECK(a && b && c, "allocations failed");
-    memset(a, 1, 1000);
+    CU(cuMemsetD8Async(dptr(a), 1, 1000, compute)); /* use memory on its stream */
 
     tensoralloc_free(a, 1000, 0, compute);
     void *again = tensoralloc_malloc(1000, 0, compute);
@@ -39,5 +38,7 @@ int main(void) {
     CHECK(tensoralloc_get_device_stats(0, &s) == TENSORALLOC_OK, "stats");
     CHECK(s.reserved_bytes[TENSORALLOC_STAT_AGGREGATE].current == 0, "empty_cache returned everything");
     printf("after empty_cache: %lld bytes reserved\n", (long long)s.reserved_bytes[0].current);
+    CU(cuStreamDestroy(compute));
+    CU(cuStreamDestroy(copy));
     return 0;
 }

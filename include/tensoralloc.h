@@ -30,6 +30,22 @@ typedef struct CUstream_st CUstream_st;
 #define TENSORALLOC_STAT_LARGE_POOL 2
 
 /**
+ * The major version of this header (the `X` of `X.Y.Z`). Equal to what
+ * `tensoralloc_version()` reports when the header and the loaded library match.
+ */
+#define TENSORALLOC_VERSION_MAJOR 0
+
+/**
+ * The minor version of this header (the `Y` of `X.Y.Z`).
+ */
+#define TENSORALLOC_VERSION_MINOR 1
+
+/**
+ * The patch version of this header (the `Z` of `X.Y.Z`).
+ */
+#define TENSORALLOC_VERSION_PATCH 0
+
+/**
  * A profiling allocator (opaque). Made by `tensoralloc_profiling_new`, released by
  * `tensoralloc_profiling_free`. Safe to use from several threads (calls are serialized), but
  * an iteration is one sequence of calls: record, validate and serve from one thread.
@@ -329,6 +345,14 @@ typedef struct tensoralloc_storage_plan_stats {
    */
   uint64_t iterations;
 } tensoralloc_storage_plan_stats;
+
+/**
+ * Decides whether an allocation on `stream` goes to a graph private pool: nonzero = yes.
+ * `ctx` is the pointer given to `tensoralloc_begin_allocate_to_pool`. Called on allocations
+ * made while the pool is active, from the allocating thread and under tensoralloc's pool
+ * lock: it must be thread-safe, cheap, and must not call tensoralloc.
+ */
+typedef int (*tensoralloc_stream_filter)(void *ctx, CUstream_st *stream);
 
 /**
  * The call succeeded.
@@ -789,6 +813,84 @@ tensoralloc_status tensoralloc_storage_plan_get_stats(struct tensoralloc_storage
                                                       struct tensoralloc_storage_plan_stats *out);
 
 /**
+ * Sets the memory fraction of device `device` (PyTorch's `memory_fraction` hook, used by
+ * `torch.cuda.set_per_process_memory_fraction`): from now on the bytes tensoralloc reserves
+ * on that device stay at most `fraction` times its total memory. An allocation that would
+ * need more first returns the cache to the driver and retries, then fails as out of memory
+ * with a message that gives the limit (and counts in `num_ooms`). Memory reserved already is
+ * kept. `fraction` must lie in [0, 1].
+ *
+ * On a fraction outside [0, 1] (or NaN), a device that does not exist, or no usable driver,
+ * nothing changes and the last error says why.
+ */
+void tensoralloc_set_memory_fraction(double fraction, int device);
+
+/**
+ * Writes the memory fraction of device `device` to `*out` (owned by the caller): 1.0 when it
+ * was never set. Returns `TENSORALLOC_OK`, or an error status with a last error when `out` is
+ * NULL, the device does not exist or no driver is usable; `*out` is then unchanged.
+ */
+tensoralloc_status tensoralloc_get_memory_fraction(int device, double *out);
+
+/**
+ * The base of the device memory segment that holds the live allocation containing `ptr`
+ * (its start or any byte inside it), with the segment's size written to `*size` (PyTorch's
+ * `base_alloc` hook, used by `torch.multiprocessing` to share CUDA tensors: the segment is
+ * what the driver allocated, so it is what an IPC handle covers). The memory stays owned by
+ * tensoralloc.
+ *
+ * Returns NULL with a last error when `ptr` is not inside a live allocation of tensoralloc
+ * (never allocated, freed, or cached), or `size` is NULL; `*size` is then unchanged.
+ */
+void *tensoralloc_get_base_allocation(void *ptr, size_t *size);
+
+/**
+ * Starts allocating to the graph private pool `(pool_id_0, pool_id_1)` of device `device`
+ * (PyTorch's `begin_allocate_to_pool` hook; the C++ helper unpacks PyTorch's `MempoolId_t`).
+ * Until `tensoralloc_end_allocate_to_pool` with the same id, allocations on a stream for
+ * which `filter(ctx, stream)` returns nonzero (every stream when `filter` is NULL) come from
+ * that pool, and its blocks are never handed to allocations outside it. The pool is created
+ * on first use; each begin adds a use, which `tensoralloc_release_pool` drops. Several pools
+ * may be active at once; a stream goes to the first begun pool that accepts it.
+ *
+ * While any pool of the device is active, tensoralloc takes the device to be capturing a CUDA
+ * graph: it queries and waits for no event, records the events of frees of blocks used by
+ * other streams (`tensoralloc_record_stream`) only once the last pool ends, and frees no
+ * memory to the driver (`tensoralloc_empty_cache` does nothing to the device then).
+ *
+ * `ctx` (owned by the caller) must stay valid until the matching end returns. Returns
+ * `TENSORALLOC_OK`, or an error status with a last error for the id (0, 0) (PyTorch's "no
+ * pool"), a device that does not exist, or no usable driver.
+ */
+tensoralloc_status tensoralloc_begin_allocate_to_pool(int device,
+                                                      uint64_t pool_id_0,
+                                                      uint64_t pool_id_1,
+                                                      tensoralloc_stream_filter filter,
+                                                      void *ctx);
+
+/**
+ * Stops allocating to the pool `(pool_id_0, pool_id_1)` of device `device` (PyTorch's
+ * `end_allocate_to_pool` hook): ends the oldest begin of it still underway. Once no pool of
+ * the device is active, deferred stream events are recorded. The pool keeps its memory and
+ * its use. Returns `TENSORALLOC_OK`, or an error status with a last error when no allocation
+ * to that pool is underway, for the id (0, 0), or a device that does not exist.
+ */
+tensoralloc_status tensoralloc_end_allocate_to_pool(int device,
+                                                    uint64_t pool_id_0,
+                                                    uint64_t pool_id_1);
+
+/**
+ * Drops one use of the pool `(pool_id_0, pool_id_1)` of device `device` (PyTorch's
+ * `release_pool` hook, called when a CUDA graph or memory pool is destroyed). When no use
+ * remains, the pool's cached segments go back to the driver as soon as nothing allocated in
+ * them remains and no capture is underway (at the latest at `tensoralloc_empty_cache`), and
+ * the pool disappears once it holds no memory. Returns `TENSORALLOC_OK`, or an error status
+ * with a last error when the pool has no use to drop, for the id (0, 0), or a device that
+ * does not exist.
+ */
+tensoralloc_status tensoralloc_release_pool(int device, uint64_t pool_id_0, uint64_t pool_id_1);
+
+/**
  * Holds `stream` on the simulated device: events recorded on it from now on stay pending (as
  * if a long kernel were running) until `tensoralloc_sim_release_stream`. Lets tests keep
  * deferred frees (`tensoralloc_record_stream`) waiting.
@@ -813,6 +915,26 @@ tensoralloc_status tensoralloc_sim_release_stream(CUstream_st *stream);
 tensoralloc_status tensoralloc_sim_device_used(int32_t device, uint64_t *out);
 
 /**
+ * Begins capturing `stream` into a CUDA graph on the simulated device, for the calling
+ * thread. Until `tensoralloc_sim_end_capture`, the driver reports the stream as capturing, and
+ * the calls a real driver forbids during this thread's capture (querying or waiting for an
+ * event, freeing device memory, allocating outside relaxed capture mode) invalidate it.
+ * Lets tests check that tensoralloc behaves under `torch.cuda.graph`.
+ * Returns `TENSORALLOC_OK`, or an error status with a last error when the stream already
+ * captures or no simulated device is in use (a real NVIDIA driver).
+ */
+tensoralloc_status tensoralloc_sim_begin_capture(CUstream_st *stream);
+
+/**
+ * Ends a capture begun by `tensoralloc_sim_begin_capture`. Returns `TENSORALLOC_OK` when the
+ * capture stayed valid; `TENSORALLOC_ERR_DRIVER` with a last error naming
+ * `CUDA_ERROR_STREAM_CAPTURE_INVALIDATED` when a forbidden call invalidated it (as
+ * `cuStreamEndCapture` would fail); another error status when the stream was not capturing
+ * or no simulated device is in use.
+ */
+tensoralloc_status tensoralloc_sim_end_capture(CUstream_st *stream);
+
+/**
  * Starts (`enabled` != 0) or stops (`enabled` == 0) recording the memory history of every
  * device: each allocation, free (requested and completed), segment allocation and release,
  * and out-of-memory failure, like PyTorch's `torch.cuda.memory._record_memory_history`.
@@ -834,6 +956,14 @@ tensoralloc_status tensoralloc_record_memory_history(int32_t enabled, size_t max
  * last error).
  */
 tensoralloc_status tensoralloc_dump_snapshot(const char *path);
+
+/**
+ * The loaded library's version as a NUL-terminated string, `"MAJOR.MINOR.PATCH"` (for example
+ * `"0.1.0"`). The string is static: the caller must not free or modify it, and it stays valid
+ * for the life of the process. Never NULL, never fails; an installed library's SONAME
+ * (`libtensoralloc.so.MAJOR`, see `scripts/install`) carries the same major version.
+ */
+const char *tensoralloc_version(void);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -28,7 +28,7 @@ fn every_c_example_compiles_and_passes() {
         let name = src.file_stem().unwrap().to_string_lossy().to_string();
         let exe = out_dir.join(&name);
         let compiled = support::compile_c(src, &exe, &lib)
-            .args(["-Wall", "-Wextra", "-Werror", "-O1"])
+            .args(["-Wall", "-Wextra", "-Werror", "-O1", "-ldl"])
             .output()
             .unwrap();
         if !compiled.status.success() {

@@ -88,3 +88,64 @@ fn the_allocator_caches_real_device_memory() {
     a.empty_cache().unwrap();
     assert_eq!(a.stats().num_device_free, 1);
 }
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn allocating_to_a_pool_during_a_real_graph_capture_keeps_the_capture_valid() {
+    let driver = Arc::new(CudaDriver::load().unwrap());
+    let a = DeviceAllocator::new(driver.clone(), 0, &Config::default()).unwrap();
+    // A stream of the primary context (allocating first retains and makes it usable).
+    let warm = a.malloc(1 << 20, 0).unwrap();
+    let mut ctx: sys::CUcontext = std::ptr::null_mut();
+    let mut stream: sys::CUstream = std::ptr::null_mut();
+    // SAFETY: valid out-pointers; device 0 exists (the allocation above succeeded).
+    unsafe {
+        assert_eq!(
+            sys::cuDevicePrimaryCtxRetain(&mut ctx, 0),
+            sys::CUresult::CUDA_SUCCESS
+        );
+        assert_eq!(sys::cuCtxPushCurrent_v2(ctx), sys::CUresult::CUDA_SUCCESS);
+        assert_eq!(
+            sys::cuStreamCreate(&mut stream, 1),
+            sys::CUresult::CUDA_SUCCESS
+        );
+    }
+    let s = stream as usize;
+    let side = a.malloc(1 << 20, s).unwrap();
+    a.record_stream(side, 0).unwrap();
+    // SAFETY: a stream we created; global mode, as torch.cuda.graph uses.
+    let r = unsafe {
+        sys::cuStreamBeginCapture_v2(
+            stream,
+            sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL,
+        )
+    };
+    assert_eq!(r, sys::CUresult::CUDA_SUCCESS);
+    assert!(driver.stream_capturing(s).unwrap());
+    a.begin_allocate_to_pool((1, 1), None).unwrap();
+    let p = a
+        .malloc(64 << 20, s)
+        .expect("a new segment in relaxed capture mode");
+    a.free(side, Some(s)).unwrap();
+    a.free(p, Some(s)).unwrap();
+    a.end_allocate_to_pool((1, 1)).unwrap();
+    let mut graph: sys::CUgraph = std::ptr::null_mut();
+    // SAFETY: the stream is capturing; valid out-pointer.
+    let r = unsafe { sys::cuStreamEndCapture(stream, &mut graph) };
+    assert_eq!(
+        r,
+        sys::CUresult::CUDA_SUCCESS,
+        "the capture was invalidated"
+    );
+    assert!(!driver.stream_capturing(s).unwrap());
+    a.release_pool((1, 1)).unwrap();
+    a.free(warm, None).unwrap();
+    // SAFETY: handles made above, destroyed once.
+    unsafe {
+        sys::cuGraphDestroy(graph);
+        sys::cuStreamDestroy_v2(stream);
+        let mut popped: sys::CUcontext = std::ptr::null_mut();
+        sys::cuCtxPopCurrent_v2(&mut popped);
+        sys::cuDevicePrimaryCtxRelease_v2(0);
+    }
+}

@@ -39,18 +39,29 @@ fn header_compiles_alone_as_cpp17() {
     compile_alone(cxx(), "-std=c++17", "c++");
 }
 
-/// Where NVIDIA's CUDA headers are: `$CUDA_INCLUDE_DIR`, else `target/cuda-include`, which
-/// `scripts/fetch-cuda-headers` fills from the `nvidia-cuda-runtime` wheel.
-fn cuda_include_dir() -> std::path::PathBuf {
-    let dir = std::env::var_os("CUDA_INCLUDE_DIR")
+/// A directory of downloaded headers: `$var`, else `target/<default>`, filled by `script`;
+/// `probe` is a file it must hold.
+fn fetched_include_dir(var: &str, default: &str, probe: &str, script: &str) -> std::path::PathBuf {
+    let dir = std::env::var_os(var)
         .map(Into::into)
-        .unwrap_or_else(|| root().join("target/cuda-include"));
+        .unwrap_or_else(|| root().join("target").join(default));
     assert!(
-        dir.join("cuda_runtime_api.h").exists(),
-        "NVIDIA's cuda_runtime_api.h is not in {}: run scripts/fetch-cuda-headers (or set CUDA_INCLUDE_DIR)",
+        dir.join(probe).exists(),
+        "{probe} is not in {}: run {script} (or set {var})",
         dir.display()
     );
     dir
+}
+
+/// NVIDIA's CUDA headers, which `scripts/fetch-cuda-headers` takes from the
+/// `nvidia-cuda-runtime` wheel.
+fn cuda_include_dir() -> std::path::PathBuf {
+    fetched_include_dir(
+        "CUDA_INCLUDE_DIR",
+        "cuda-include",
+        "cuda_runtime_api.h",
+        "scripts/fetch-cuda-headers",
+    )
 }
 
 #[test]
@@ -125,4 +136,50 @@ fn committed_header_matches_the_generated_one() {
         let on_disk = std::fs::read_to_string(root.join("include/tensoralloc.h")).unwrap();
         assert_eq!(on_disk, generated);
     }
+}
+
+/// PyTorch's C++ headers, which `scripts/fetch-torch-headers` takes from the pinned torch
+/// wheel.
+fn torch_include_dir() -> std::path::PathBuf {
+    fetched_include_dir(
+        "TORCH_INCLUDE_DIR",
+        "torch-include",
+        "torch/csrc/cuda/CUDAPluggableAllocator.h",
+        "scripts/fetch-torch-headers",
+    )
+}
+
+#[test]
+fn torch_helper_compiles_against_pytorch_and_nvidia_headers() {
+    let torch = torch_include_dir();
+    let dir = std::env::temp_dir().join(format!("tensoralloc-torch-hpp-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let tu = dir.join("install.cpp");
+    // What a libtorch program does; the function types PyTorch's setters take are checked by
+    // the compiler where the helper passes tensoralloc's functions to them.
+    std::fs::write(
+        &tu,
+        r#"
+#include <tensoralloc_torch.hpp>
+std::shared_ptr<tensoralloc::torch::Allocator> use() { return tensoralloc::torch::install(); }
+c10::cuda::CUDACachingAllocator::CUDAAllocator *as_pytorch_allocator(tensoralloc::torch::Allocator *a) { return a; }
+"#,
+    )
+    .unwrap();
+    // PyTorch's own headers are system headers here: only the helper's warnings are errors.
+    run(
+        Command::new(cxx())
+            .args(["-std=c++17", "-Wall", "-Wextra", "-Werror", "-fsyntax-only"])
+            .arg("-I")
+            .arg(root().join("include"))
+            .arg("-isystem")
+            .arg(&torch)
+            .arg("-isystem")
+            .arg(torch.join("torch/csrc/api/include"))
+            .arg("-isystem")
+            .arg(cuda_include_dir())
+            .arg(&tu),
+        "compiling include/tensoralloc_torch.hpp against PyTorch's headers",
+    );
+    std::fs::remove_dir_all(&dir).ok();
 }

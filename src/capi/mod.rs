@@ -16,8 +16,10 @@ use crate::error::Error;
 pub mod device;
 pub mod host;
 pub mod plan;
+pub mod pools;
 pub mod sim;
 pub mod snapshot;
+pub mod version;
 
 /// A CUDA stream (`cudaStream_t`, `CUstream`). Opaque: tensoralloc only passes it to the driver
 /// and uses its address to tell streams apart. NULL is the legacy default stream.

@@ -91,3 +91,44 @@ pub extern "C" fn tensoralloc_sim_device_used(device: i32, out: *mut u64) -> ten
         }
     }
 }
+
+fn capture(stream: Stream, begin: bool) -> Result<()> {
+    match simulated()?.1 {
+        Simulated::Sim if begin => sim::capture::begin_capture(stream),
+        Simulated::Sim => sim::capture::end_capture(stream),
+        Simulated::Fake(cuda) if begin => cuda.fake_begin_capture(stream),
+        Simulated::Fake(cuda) => cuda.fake_end_capture(stream),
+    }
+}
+
+/// Begins capturing `stream` into a CUDA graph on the simulated device, for the calling
+/// thread. Until `tensoralloc_sim_end_capture`, the driver reports the stream as capturing, and
+/// the calls a real driver forbids during this thread's capture (querying or waiting for an
+/// event, freeing device memory, allocating outside relaxed capture mode) invalidate it.
+/// Lets tests check that tensoralloc behaves under `torch.cuda.graph`.
+/// Returns `TENSORALLOC_OK`, or an error status with a last error when the stream already
+/// captures or no simulated device is in use (a real NVIDIA driver).
+#[no_mangle]
+pub extern "C" fn tensoralloc_sim_begin_capture(stream: *mut CUstream_st) -> tensoralloc_status {
+    ffi_boundary! {
+        match capture(stream_id(stream), true) {
+            Ok(()) => TENSORALLOC_OK,
+            Err(e) => fail(&e),
+        }
+    }
+}
+
+/// Ends a capture begun by `tensoralloc_sim_begin_capture`. Returns `TENSORALLOC_OK` when the
+/// capture stayed valid; `TENSORALLOC_ERR_DRIVER` with a last error naming
+/// `CUDA_ERROR_STREAM_CAPTURE_INVALIDATED` when a forbidden call invalidated it (as
+/// `cuStreamEndCapture` would fail); another error status when the stream was not capturing
+/// or no simulated device is in use.
+#[no_mangle]
+pub extern "C" fn tensoralloc_sim_end_capture(stream: *mut CUstream_st) -> tensoralloc_status {
+    ffi_boundary! {
+        match capture(stream_id(stream), false) {
+            Ok(()) => TENSORALLOC_OK,
+            Err(e) => fail(&e),
+        }
+    }
+}

@@ -12,10 +12,15 @@
 //!
 //! The device is sharded by stream ([`shard`]): each stream has its own lock, pools and
 //! statistics, so threads working on different streams do not contend.
+//!
+//! PyTorch's other allocator hooks live beside: graph private pools and capture awareness
+//! ([`graph`]), the memory fraction ([`limit`]), base allocations ([`DeviceAllocator::base_allocation`]).
 
 mod events;
 mod free_index;
 pub mod history;
+pub mod graph;
+mod limit;
 pub mod shard;
 pub mod size;
 pub mod stats;
@@ -32,11 +37,14 @@ use crate::driver::{Driver, Event, Stream};
 use crate::error::{Error, Result};
 use events::EventPool;
 use history::Action;
+use graph::GraphPools;
+use limit::MemoryLimit;
 use shard::{ShardInner, StatSink, State};
 use size::{format_bytes, round_size_with, segment_size, PoolKind, MAX_REQUEST};
 use stats::{DeviceCounters, DeviceStats, ShardStats, Stat, StatKind, TRACKED};
 use table::ShardTable;
 
+pub use graph::{PoolId, StreamFilter};
 pub use stats::Stat as DeviceStat;
 
 /// One stream's share of a device.
@@ -44,6 +52,8 @@ pub use stats::Stat as DeviceStat;
 pub(crate) struct Shard {
     stream: Stream,
     index: u32,
+    /// A shard of a graph private pool ([`graph`]) rather than the stream's own.
+    private: bool,
     inner: Mutex<ShardInner>,
     stats: ShardStats,
 }
@@ -62,6 +72,8 @@ pub struct DeviceAllocator {
     events: EventPool,
     counters: DeviceCounters,
     history: history::History,
+    graph: GraphPools,
+    limit: MemoryLimit,
 }
 
 /// Routes statistic changes of one shard to the device counters.
@@ -103,6 +115,8 @@ impl DeviceAllocator {
             events: EventPool::new(device),
             counters: DeviceCounters::default(),
             history: history::History::default(),
+            graph: GraphPools::default(),
+            limit: MemoryLimit::default(),
         })
     }
 
@@ -120,6 +134,7 @@ impl DeviceAllocator {
         self.shards.get_or_insert(stream, |index| Shard {
             stream,
             index,
+            private: false,
             inner: Mutex::new(ShardInner::default()),
             stats: ShardStats::default(),
         })
@@ -153,11 +168,16 @@ impl DeviceAllocator {
         }
         let rounded = round_size_with(size, self.roundup_divisions[roundup_interval(size)]);
         let pool = PoolKind::for_size(rounded);
-        let shard = self.shard(stream)?;
+        let shard = if self.graph.flags() == 0 {
+            self.shard(stream)?
+        } else {
+            self.flush_deferred()?;
+            self.shard_for_pools(stream)?
+        };
         let mut retried = false;
         loop {
             let mut inner = shard.inner.lock();
-            if !inner.pending.is_empty() {
+            if !inner.pending.is_empty() && !self.capture_blocks(stream) {
                 self.process_events(shard, &mut inner);
             }
             let found = inner.take_best_fit(pool, rounded, self.max_split_size);
@@ -165,10 +185,13 @@ impl DeviceAllocator {
                 Some(id) => id,
                 None => {
                     let seg = segment_size(rounded);
-                    if self.gc_threshold > 0.0 {
+                    if self.gc_threshold > 0.0 && !self.capture_blocks(stream) {
                         self.collect_garbage(shard, &mut inner, seg);
                     }
-                    match self.driver.mem_alloc(self.device, seg) {
+                    let grown = self
+                        .check_limit(seg)
+                        .and_then(|()| self.driver.mem_alloc(self.device, seg));
+                    match grown {
                         Ok(addr) => {
                             DeviceCounters::bump(&self.counters.num_device_alloc);
                             self.note(Action::SegmentAlloc, addr, seg, stream);
@@ -184,7 +207,9 @@ impl DeviceAllocator {
                         Err(Error::OutOfMemory(_)) if !retried => {
                             drop(inner);
                             DeviceCounters::bump(&self.counters.num_alloc_retries);
-                            self.release_cached()?;
+                            if !self.capture_blocks(stream) {
+                                self.release_cached()?;
+                            }
                             retried = true;
                             continue;
                         }
@@ -223,9 +248,13 @@ impl DeviceAllocator {
             ),
             Err(e) => format!("device {} (capacity unknown: {e})", self.device),
         };
+        let allowed = match self.limit_text() {
+            Some(limit) => format!(", with {limit};"),
+            None => String::new(),
+        };
         Error::OutOfMemory(format!(
             "tried to allocate {} on device {}; {device_text}. Of the memory in use, {} is allocated \
-             by tensoralloc and {} is reserved by tensoralloc but unallocated. If reserved but \
+             by tensoralloc{allowed} and {} is reserved by tensoralloc but unallocated. If reserved but \
              unallocated memory is large, try max_split_size_mb in TENSORALLOC_CONF to reduce fragmentation.",
             format_bytes(size as u64),
             self.device,
@@ -281,12 +310,31 @@ impl DeviceAllocator {
         mut inner: MutexGuard<'_, ShardInner>,
         id: u32,
     ) -> Result<()> {
-        let uses = std::mem::take(&mut inner.block_mut(id).stream_uses);
-        if uses.is_empty() {
+        if inner.block(id).stream_uses.is_empty() {
             self.note_block(Action::FreeCompleted, shard, &inner, id);
             inner.release(id, &mut self.sink(shard));
+            if shard.private && self.private_shard_unused(shard) {
+                self.trim_private_shard(shard, &mut inner);
+            }
             return Ok(());
         }
+        if self.must_defer(&inner.block(id).stream_uses) {
+            // A capture forbids these events now: recorded once it ends.
+            self.defer_free(shard, id);
+            return Ok(());
+        }
+        self.record_free_events(shard, inner, id)
+    }
+
+    /// Records an event on each stream that used freed block `id`; the block returns to its
+    /// pool when they have all completed.
+    fn record_free_events(
+        &self,
+        shard: &Shard,
+        mut inner: MutexGuard<'_, ShardInner>,
+        id: u32,
+    ) -> Result<()> {
+        let uses = std::mem::take(&mut inner.block_mut(id).stream_uses);
         // Events are taken from the pool (perhaps created) and recorded without the lock.
         drop(inner);
         let mut recorded: Vec<Event> = Vec::with_capacity(uses.len());
@@ -465,23 +513,35 @@ impl DeviceAllocator {
     }
 
     /// Waits for outstanding events and returns every unused cached segment to the driver,
-    /// one stream at a time.
+    /// one stream at a time. Pools still in use keep theirs. Does nothing while a capture is
+    /// underway (a driver forbids both then).
     fn release_cached(&self) -> Result<()> {
+        if self.graph.capturing() {
+            return Ok(());
+        }
         DeviceCounters::bump(&self.counters.num_sync_all_streams);
-        for shard in self.shards.iter() {
+        for shard in self.shards.iter().filter(|s| !s.private) {
             let mut inner = shard.inner.lock();
             self.release_shard(shard, &mut inner)?;
         }
-        Ok(())
+        self.release_unused_pools()
     }
 
-    /// Returns every unused cached segment to the driver (after waiting for outstanding events).
+    /// Returns every unused cached segment to the driver (after waiting for outstanding
+    /// events), except those of graph pools still in use. While a capture is underway this
+    /// does nothing.
     pub fn empty_cache(&self) -> Result<()> {
+        self.flush_deferred()?;
         self.release_cached()
     }
 
     /// Polls outstanding events of every stream, returning finished blocks to their pools.
+    /// While a capture is underway this does nothing.
     pub fn poll_events(&self) {
+        if self.graph.capturing() {
+            return;
+        }
+        let _ = self.flush_deferred();
         for shard in self.shards.iter() {
             let mut inner = shard.inner.lock();
             if !inner.pending.is_empty() {
@@ -563,6 +623,38 @@ impl DeviceAllocator {
             &c.num_invalid_frees,
         ] {
             counter.store(0, Relaxed);
+        }
+    }
+
+    /// The segment that holds the live allocation containing `ptr` (its start or any byte
+    /// inside it): the segment's base address and size, as the driver allocated it (PyTorch's
+    /// `getBaseAllocation`, used to share memory between processes).
+    pub fn base_allocation(&self, ptr: usize) -> Result<(usize, usize)> {
+        let unknown = || {
+            Error::UnknownPointer(format!(
+                "base allocation: {ptr:#x} is not inside a live allocation of tensoralloc on device {}",
+                self.device
+            ))
+        };
+        let (base, size) = {
+            let segments = self.segments.read();
+            let (&start, &(size, _)) = segments.range(..=ptr).next_back().ok_or_else(unknown)?;
+            if ptr >= start + size {
+                return Err(unknown());
+            }
+            (start, size)
+        };
+        let shard = self.owner_of(ptr).ok_or_else(unknown)?;
+        let inner = shard.inner.lock();
+        let live = inner.live.contains_key(&ptr)
+            || inner.live.values().any(|&id| {
+                let b = inner.block(id);
+                b.addr <= ptr && ptr < b.addr + b.size
+            });
+        if live {
+            Ok((base, size))
+        } else {
+            Err(unknown())
         }
     }
 

@@ -48,6 +48,8 @@ const REQUIRED_SYMBOLS: &[&str] = &[
     "cuEventQuery",
     "cuEventSynchronize",
     "cuStreamGetCtx",
+    "cuStreamIsCapturing",
+    "cuThreadExchangeStreamCaptureMode",
     "cuMemHostAlloc",
     "cuMemFreeHost",
     "cuMemHostRegister_v2",
@@ -73,6 +75,9 @@ struct DeviceSlot {
 /// The NVIDIA driver API, loaded at run time.
 pub struct CudaDriver {
     devices: Vec<DeviceSlot>,
+    /// Whether the driver has `cuStreamGetCaptureInfo_v3` (CUDA 12.3 and later), the capture
+    /// query PyTorch uses; older drivers answer through `cuStreamIsCapturing`.
+    capture_info_v3: bool,
     /// Our own `dlopen` reference to the library cudarc uses, so it stays loaded as long as we
     /// hold handles from it.
     library: LibraryHandle,
@@ -119,16 +124,19 @@ fn open_driver_library() -> Result<LibraryHandle> {
     )))
 }
 
+/// Whether the library exports `name`.
+fn has_symbol(library: &LibraryHandle, name: &str) -> bool {
+    let cname = CString::new(name).expect("symbol names have no NUL");
+    // SAFETY: the handle came from dlopen and is never closed; the name is NUL-terminated.
+    !unsafe { libc::dlsym(library.0, cname.as_ptr()) }.is_null()
+}
+
 /// Checks that the library has every entry point this backend calls.
 fn check_symbols(library: &LibraryHandle) -> Result<()> {
     let missing: Vec<&str> = REQUIRED_SYMBOLS
         .iter()
         .copied()
-        .filter(|name| {
-            let cname = CString::new(*name).expect("symbol names have no NUL");
-            // SAFETY: the handle came from dlopen and is never closed; the name is NUL-terminated.
-            unsafe { libc::dlsym(library.0, cname.as_ptr()) }.is_null()
-        })
+        .filter(|name| !has_symbol(library, name))
         .collect();
     if missing.is_empty() {
         Ok(())
@@ -227,7 +235,12 @@ impl CudaDriver {
                 primary: OnceCell::new(),
             });
         }
-        Ok(CudaDriver { devices, library })
+        let capture_info_v3 = has_symbol(&library, "cuStreamGetCaptureInfo_v3");
+        Ok(CudaDriver {
+            devices,
+            capture_info_v3,
+            library,
+        })
     }
 
     fn slot(&self, device: usize) -> Result<&DeviceSlot> {
@@ -378,6 +391,41 @@ impl CudaDriver {
         Ok(f(device as std::ffi::c_int))
     }
 
+    /// Calls the fake driver's control `int name(CUstream)`. Fails on a real driver.
+    fn fake_stream_control(&self, name: &str, stream: Stream) -> Result<std::ffi::c_int> {
+        let f = self
+            .fake_control(name)
+            .ok_or_else(|| Self::not_fake("simulated graph capture"))?;
+        // SAFETY: the fake exports the capture controls as `int name(CUstream)`.
+        let f: extern "C" fn(sys::CUstream) -> std::ffi::c_int = unsafe { std::mem::transmute(f) };
+        Ok(f(stream as sys::CUstream))
+    }
+
+    /// On the fake driver of the test suite: begins capturing `stream` into a graph for the
+    /// calling thread. Fails on a real driver.
+    pub fn fake_begin_capture(&self, stream: Stream) -> Result<()> {
+        match self.fake_stream_control("fakecuda_begin_capture", stream)? {
+            0 => Ok(()),
+            _ => Err(Error::InvalidArgument(format!(
+                "stream {stream:#x} is already capturing"
+            ))),
+        }
+    }
+
+    /// On the fake driver of the test suite: ends the capture of `stream`; fails when it was
+    /// not capturing or the capture was invalidated. Fails on a real driver.
+    pub fn fake_end_capture(&self, stream: Stream) -> Result<()> {
+        match self.fake_stream_control("fakecuda_end_capture", stream)? {
+            0 => Ok(()),
+            1 => Err(Error::Driver(format!(
+                "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED: the capture of stream {stream:#x} was invalidated"
+            ))),
+            _ => Err(Error::InvalidArgument(format!(
+                "stream {stream:#x} is not capturing"
+            ))),
+        }
+    }
+
     /// The primary context of `device` if it has been retained (for tests and diagnostics).
     pub fn retained_primary_context(&self, device: usize) -> Option<usize> {
         self.devices
@@ -399,6 +447,30 @@ impl Drop for CudaDriver {
     }
 }
 
+/// The calling thread in relaxed stream-capture mode until dropped (then back in its own mode),
+/// as PyTorch does around `cudaMalloc`.
+struct RelaxedCapture(sys::CUstreamCaptureMode);
+
+impl RelaxedCapture {
+    fn enter() -> Result<RelaxedCapture> {
+        let mut mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
+        // SAFETY: a valid in/out pointer; the call swaps the thread's mode with `mode`.
+        check(
+            unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) },
+            "cuThreadExchangeStreamCaptureMode",
+        )?;
+        Ok(RelaxedCapture(mode))
+    }
+}
+
+impl Drop for RelaxedCapture {
+    fn drop(&mut self) {
+        let mut mode = self.0;
+        // SAFETY: a valid in/out pointer; restores the mode saved by `enter`.
+        unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) };
+    }
+}
+
 fn event_handle(event: Event) -> sys::CUevent {
     event.0 as usize as sys::CUevent
 }
@@ -415,8 +487,13 @@ impl Driver for CudaDriver {
     fn mem_alloc(&self, device: usize, size: usize) -> Result<usize> {
         self.in_device(device, || {
             let mut ptr: sys::CUdeviceptr = 0;
-            // SAFETY: valid out-pointer; the device's context is current.
-            let r = unsafe { sys::cuMemAlloc_v2(&mut ptr, size) };
+            // In relaxed capture mode, so that an allocation while some stream of this thread
+            // (or, in global mode, of any thread) captures a graph does not invalidate it.
+            let r = {
+                let _relaxed = RelaxedCapture::enter()?;
+                // SAFETY: valid out-pointer; the device's context is current.
+                unsafe { sys::cuMemAlloc_v2(&mut ptr, size) }
+            };
             if r == CUresult::CUDA_ERROR_OUT_OF_MEMORY {
                 let info = match self.mem_info(device) {
                     Ok(i) => format!("{} bytes free of {}", i.free, i.total),
@@ -519,6 +596,33 @@ impl Driver for CudaDriver {
         }
         check(r, &format!("cuStreamGetCtx({stream:#x})"))?;
         self.context_device(Context(ctx))
+    }
+
+    fn stream_capturing(&self, stream: Stream) -> Result<bool> {
+        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        let h = stream as sys::CUstream;
+        let r = if self.capture_info_v3 {
+            // SAFETY: the driver has this entry point (checked at load); a valid out-pointer
+            // for the status, and every other output is optional (NULL). The driver validates
+            // the stream handle.
+            unsafe {
+                sys::cuStreamGetCaptureInfo_v3(
+                    h,
+                    &mut status,
+                    ptr::null_mut(),
+                    ptr::null_mut(),
+                    ptr::null_mut(),
+                    ptr::null_mut(),
+                    ptr::null_mut(),
+                )
+            }
+        } else {
+            // SAFETY: a valid out-pointer; the driver validates the stream handle.
+            unsafe { sys::cuStreamIsCapturing(h, &mut status) }
+        };
+        check(r, &format!("cuStreamGetCaptureInfo({stream:#x})"))?;
+        // An invalidated capture is still a capture until it ends: the same calls stay illegal.
+        Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
     }
 
     fn host_alloc(&self, size: usize) -> Result<usize> {

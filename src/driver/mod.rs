@@ -64,6 +64,14 @@ pub trait Driver: Send + Sync {
     /// device, or 0).
     fn stream_device(&self, stream: Stream) -> Result<usize>;
 
+    /// Whether `stream` is being captured into a CUDA graph. While it is, the allocator must
+    /// not query or wait for events, nor free device memory (the capture would be
+    /// invalidated). Drivers without graph capture keep this default: never.
+    fn stream_capturing(&self, stream: Stream) -> Result<bool> {
+        let _ = stream;
+        Ok(false)
+    }
+
     /// Allocates `size` bytes of page-locked host memory, portable across devices.
     fn host_alloc(&self, size: usize) -> Result<usize>;
 

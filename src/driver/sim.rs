@@ -9,6 +9,9 @@
 //! Events: recording an event on a stream that is not held completes it at once. Recording on
 //! a held stream leaves it pending until the stream is released, or until someone waits on
 //! it with [`Driver::event_synchronize`] (waiting finishes the work the event captured).
+//!
+//! Graph capture ([`capture`]): tests begin and end captures on streams; event queries and
+//! waits and device frees made during the calling thread's capture invalidate it.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -20,6 +23,8 @@ use parking_lot::Mutex;
 use super::{Driver, Event, MemInfo, Stream};
 use crate::config::parse_size;
 use crate::error::{Error, Result};
+
+pub mod capture;
 
 /// Default capacity of a simulated device.
 pub(crate) const DEFAULT_CAPACITY: u64 = 16 << 30;
@@ -87,6 +92,7 @@ pub struct SimCounters {
     pub events_created: AtomicU64,
     pub events_destroyed: AtomicU64,
     pub event_records: AtomicU64,
+    pub event_queries: AtomicU64,
     pub event_syncs: AtomicU64,
     pub host_alloc: AtomicU64,
     pub host_free: AtomicU64,
@@ -362,6 +368,7 @@ impl Driver for SimDriver {
     }
 
     fn mem_free(&self, device: usize, ptr: usize) -> Result<()> {
+        capture::unsafe_call("a device free (cuMemFree)");
         self.device(device)?.free(ptr)?;
         Self::bump(&self.counters.mem_free);
         Ok(())
@@ -419,6 +426,8 @@ impl Driver for SimDriver {
     }
 
     fn event_query(&self, _device: usize, event: Event) -> Result<bool> {
+        capture::unsafe_call("an event query (cuEventQuery)");
+        Self::bump(&self.counters.event_queries);
         let state = *self.events.lock().get(&event.0).ok_or_else(|| {
             Error::Driver(format!(
                 "CUDA_ERROR_INVALID_HANDLE: event {} does not exist",
@@ -435,6 +444,7 @@ impl Driver for SimDriver {
     }
 
     fn event_synchronize(&self, _device: usize, event: Event) -> Result<()> {
+        capture::unsafe_call("an event wait (cuEventSynchronize)");
         let mut events = self.events.lock();
         let slot = events.get_mut(&event.0).ok_or_else(|| {
             Error::Driver(format!(
@@ -450,6 +460,10 @@ impl Driver for SimDriver {
 
     fn stream_device(&self, _stream: Stream) -> Result<usize> {
         Ok(0)
+    }
+
+    fn stream_capturing(&self, stream: Stream) -> Result<bool> {
+        Ok(capture::is_capturing(stream))
     }
 
     fn host_alloc(&self, size: usize) -> Result<usize> {

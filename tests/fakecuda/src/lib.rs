@@ -69,7 +69,10 @@ unsafe fn get<T: Copy>(p: *const T) -> Result<T, CUresult> {
 /// Defines the exported driver functions and [`EXPORTS`], the list of their names and
 /// parameter types that the prototype check compares with NVIDIA's `cuda.h`.
 macro_rules! driver_api {
-    ($(
+    ($(#[doc = $first:literal])* fn $($rest:tt)*) => {
+        driver_api! { exports EXPORTS; $(#[doc = $first])* fn $($rest)* }
+    };
+    (exports $list:ident; $(
         $(#[doc = $doc:literal])*
         fn $name:ident($($arg:ident : $ty:ty),* $(,)?) $body:block
     )*) => {
@@ -83,8 +86,21 @@ macro_rules! driver_api {
 
         /// Every exported driver function: its name and the Rust spelling of its parameter
         /// types (each returns `CUresult`).
-        pub const EXPORTS: &[(&str, &[&str])] = &[$((stringify!($name), &[$(stringify!($ty)),*])),*];
+        pub const $list: &[(&str, &[&str])] = &[$((stringify!($name), &[$(stringify!($ty)),*])),*];
     };
+}
+pub(crate) use driver_api;
+
+// Modules that define driver functions with `driver_api!` come after the macro (textual scope).
+pub mod capture;
+pub mod memops;
+
+/// Every exported driver function of the crate, from each file that defines some.
+pub fn all_exports() -> impl Iterator<Item = &'static (&'static str, &'static [&'static str])> {
+    EXPORTS
+        .iter()
+        .chain(capture::CAPTURE_EXPORTS)
+        .chain(memops::EXPORTS)
 }
 
 driver_api! {
@@ -218,6 +234,7 @@ driver_api! {
         if dptr.is_null() || bytesize == 0 {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
+        capture::check_alloc()?;
         let p = fake.sim.mem_alloc(d, bytesize).map_err(|e| match e {
             Error::OutOfMemory(_) => CUDA_ERROR_OUT_OF_MEMORY,
             _ => CUDA_ERROR_INVALID_VALUE,

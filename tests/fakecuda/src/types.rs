@@ -17,6 +17,12 @@ pub type CUdevice = c_int;
 pub type CUdeviceptr = c_ulonglong;
 /// `CUmemGenericAllocationHandle`: a physical allocation made by `cuMemCreate`.
 pub type CUmemGenericAllocationHandle = c_ulonglong;
+/// `CUstreamCaptureStatus` (an enumeration).
+pub type CUstreamCaptureStatus = c_uint;
+/// `CUstreamCaptureMode` (an enumeration).
+pub type CUstreamCaptureMode = c_uint;
+/// `cuuint64_t`.
+pub type cuuint64_t = u64;
 /// `CUmemAllocationGranularity_flags` (an enumeration).
 pub type CUmemAllocationGranularity_flags = c_uint;
 
@@ -36,6 +42,27 @@ pub struct CUstream_st {
     _opaque: [u8; 0],
 }
 
+/// Opaque graph object (`struct CUgraph_st`).
+#[repr(C)]
+pub struct CUgraph_st {
+    _opaque: [u8; 0],
+}
+/// Opaque graph node object (`struct CUgraphNode_st`).
+#[repr(C)]
+pub struct CUgraphNode_st {
+    _opaque: [u8; 0],
+}
+
+/// Opaque graph edge data (`CUgraphEdgeData`, a structure the fake never reads).
+#[repr(C)]
+pub struct CUgraphEdgeData {
+    _opaque: [u8; 0],
+}
+
+/// `CUgraph`.
+pub type CUgraph = *mut CUgraph_st;
+/// `CUgraphNode`.
+pub type CUgraphNode = *mut CUgraphNode_st;
 /// `CUcontext`.
 pub type CUcontext = *mut CUctx_st;
 /// `CUevent`.
@@ -112,6 +139,15 @@ pub const TYPE_SIZES: &[(&str, usize)] = &[
     ),
     ("CUmemAccessDesc", std::mem::size_of::<CUmemAccessDesc>()),
     ("CUipcMemHandle", std::mem::size_of::<CUipcMemHandle>()),
+    (
+        "CUstreamCaptureStatus",
+        std::mem::size_of::<CUstreamCaptureStatus>(),
+    ),
+    (
+        "CUstreamCaptureMode",
+        std::mem::size_of::<CUstreamCaptureMode>(),
+    ),
+    ("cuuint64_t", std::mem::size_of::<cuuint64_t>()),
 ];
 
 /// Field offsets of the structures above, as (C type, C member, offset).

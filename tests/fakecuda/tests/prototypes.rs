@@ -13,8 +13,8 @@ use std::fmt::Write as _;
 use std::path::PathBuf;
 use std::process::Command;
 
+use fakecuda::all_exports;
 use fakecuda::types::{FIELD_OFFSETS, TYPE_SIZES};
-use fakecuda::EXPORTS;
 
 /// NVIDIA's header directory: `$CUDA_INCLUDE_DIR`, else the workspace's `target/cuda-include`,
 /// which `scripts/fetch-cuda-headers` fills from the `nvidia-cuda-runtime` wheel.
@@ -51,9 +51,11 @@ fn c_type(rust: &str) -> String {
         "usize" => "size_t",
         "c_int" => "int",
         "c_uint" => "unsigned int",
+        "c_uchar" => "unsigned char",
         "c_ulonglong" => "unsigned long long",
         "c_char" => "char",
         "c_void" => "void",
+        "cuuint64_t" => "cuuint64_t",
         // The fake's own types carry cuda.h's names.
         name => {
             assert!(
@@ -91,7 +93,7 @@ fn check_source() -> String {
         .unwrap();
     }
     c.push_str("\nvoid fakecuda_prototypes(void);\nvoid fakecuda_prototypes(void) {\n");
-    for (name, params) in EXPORTS {
+    for (name, params) in all_exports() {
         let params = if params.is_empty() {
             "void".to_string()
         } else {
@@ -161,7 +163,7 @@ fn every_exported_driver_symbol_is_checked() {
         .output()
         .expect("run nm (binutils)");
     assert!(out.status.success(), "nm failed on {}", lib.display());
-    let listed: Vec<&str> = EXPORTS.iter().map(|(n, _)| *n).collect();
+    let listed: Vec<&str> = all_exports().map(|(n, _)| *n).collect();
     let exported: Vec<String> = String::from_utf8_lossy(&out.stdout)
         .lines()
         .filter_map(|l| l.split_whitespace().last())

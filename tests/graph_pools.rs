@@ -1,0 +1,348 @@
+//! Graph private pools and capture awareness of the device allocator (PyTorch's
+//! `beginAllocateToPool` / `endAllocateToPool` / `releasePool`), on the simulated device.
+
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+
+use tensoralloc::config::Config;
+use tensoralloc::device::{DeviceAllocator, StreamFilter};
+use tensoralloc::driver::sim::{self, SimDriver};
+use tensoralloc::Error;
+
+const MIB: usize = 1 << 20;
+const POOL: (u64, u64) = (1, 7);
+const OTHER_POOL: (u64, u64) = (2, 9);
+
+fn alloc(capacity: usize) -> (Arc<SimDriver>, DeviceAllocator) {
+    let sim = SimDriver::shared(1, capacity as u64).unwrap();
+    let a = DeviceAllocator::new(sim.clone(), 0, &Config::default()).unwrap();
+    (sim, a)
+}
+
+/// A stream handle no other test uses (simulated streams and captures are process-wide).
+fn unique_stream() -> usize {
+    use std::sync::atomic::AtomicUsize;
+    static NEXT: AtomicUsize = AtomicUsize::new(0x9000_0000);
+    NEXT.fetch_add(0x10, Relaxed)
+}
+
+fn only(stream: usize) -> Option<StreamFilter> {
+    Some(Arc::new(move |s| s == stream))
+}
+
+fn reserved(a: &DeviceAllocator) -> i64 {
+    a.stats().reserved_bytes[0].current
+}
+
+#[test]
+fn a_block_freed_in_a_pool_is_not_reused_outside_it() {
+    let (_sim, a) = alloc(256 * MIB);
+    let s = unique_stream();
+    a.begin_allocate_to_pool(POOL, None).unwrap();
+    let inside = a.malloc(MIB, s).unwrap();
+    a.end_allocate_to_pool(POOL).unwrap();
+    a.free(inside, Some(s)).unwrap();
+    let outside = a.malloc(MIB, s).unwrap();
+    assert_ne!(
+        outside, inside,
+        "the pool's cached block went to an ordinary allocation"
+    );
+    assert_eq!(
+        a.stats().segment[0].current,
+        2,
+        "a segment for the pool and one outside"
+    );
+    a.free(outside, Some(s)).unwrap();
+}
+
+#[test]
+fn a_block_freed_outside_is_not_reused_in_a_pool() {
+    let (_sim, a) = alloc(256 * MIB);
+    let s = unique_stream();
+    let outside = a.malloc(MIB, s).unwrap();
+    a.free(outside, Some(s)).unwrap();
+    a.begin_allocate_to_pool(POOL, None).unwrap();
+    let inside = a.malloc(MIB, s).unwrap();
+    a.end_allocate_to_pool(POOL).unwrap();
+    assert_ne!(
+        inside, outside,
+        "a cached ordinary block went into the pool"
+    );
+    a.free(inside, Some(s)).unwrap();
+}
+
+#[test]
+fn blocks_freed_in_a_pool_are_reused_by_the_pool() {
+    let (_sim, a) = alloc(256 * MIB);
+    let s = unique_stream();
+    a.begin_allocate_to_pool(POOL, None).unwrap();
+    let first = a.malloc(MIB, s).unwrap();
+    a.free(first, None).unwrap();
+    let again = a.malloc(MIB, s).unwrap();
+    assert_eq!(again, first);
+    a.end_allocate_to_pool(POOL).unwrap();
+    a.begin_allocate_to_pool(POOL, None).unwrap();
+    a.free(again, Some(s)).unwrap();
+    let third = a.malloc(MIB, s).unwrap();
+    assert_eq!(
+        third, first,
+        "a later begin of the same pool finds its cache"
+    );
+    a.end_allocate_to_pool(POOL).unwrap();
+    a.free(third, Some(s)).unwrap();
+}
+
+#[test]
+fn only_streams_the_filter_accepts_allocate_to_the_pool() {
+    let (_sim, a) = alloc(256 * MIB);
+    let (captured, other) = (unique_stream(), unique_stream());
+    let ordinary = a.malloc(MIB, other).unwrap();
+    a.free(ordinary, Some(other)).unwrap();
+    a.begin_allocate_to_pool(POOL, only(captured)).unwrap();
+    let on_other = a.malloc(MIB, other).unwrap();
+    let on_captured = a.malloc(MIB, captured).unwrap();
+    a.end_allocate_to_pool(POOL).unwrap();
+    assert_eq!(
+        on_other, ordinary,
+        "a stream the filter rejects keeps its own cache"
+    );
+    a.free(on_captured, Some(captured)).unwrap();
+    let after = a.malloc(MIB, captured).unwrap();
+    assert_ne!(
+        after, on_captured,
+        "the captured stream's block stayed in the pool"
+    );
+    a.free(on_other, Some(other)).unwrap();
+    a.free(after, Some(captured)).unwrap();
+}
+
+#[test]
+fn pools_active_at_once_each_serve_their_own_streams() {
+    let (_sim, a) = alloc(256 * MIB);
+    let (s1, s2) = (unique_stream(), unique_stream());
+    a.begin_allocate_to_pool(POOL, only(s1)).unwrap();
+    a.begin_allocate_to_pool(OTHER_POOL, only(s2)).unwrap();
+    let p1 = a.malloc(MIB, s1).unwrap();
+    let p2 = a.malloc(MIB, s2).unwrap();
+    a.end_allocate_to_pool(OTHER_POOL).unwrap();
+    a.end_allocate_to_pool(POOL).unwrap();
+    assert_eq!(a.pool_count(), 2);
+    a.free(p2, None).unwrap();
+    a.release_pool(OTHER_POOL).unwrap();
+    assert_eq!(
+        a.pool_count(),
+        1,
+        "the released pool is gone, the other stays"
+    );
+    assert!(a.is_allocated(p1));
+    a.free(p1, None).unwrap();
+    a.release_pool(POOL).unwrap();
+    assert_eq!(a.pool_count(), 0);
+}
+
+#[test]
+fn releasing_an_unused_pool_returns_its_memory_to_the_driver() {
+    let (sim, a) = alloc(256 * MIB);
+    let s = unique_stream();
+    a.begin_allocate_to_pool(POOL, None).unwrap();
+    let p = a.malloc(3 * MIB, s).unwrap();
+    a.end_allocate_to_pool(POOL).unwrap();
+    a.free(p, Some(s)).unwrap();
+    assert_eq!(sim.used(0), 20 * MIB as u64, "cached in the pool");
+    a.release_pool(POOL).unwrap();
+    assert_eq!(sim.used(0), 0);
+    assert_eq!(reserved(&a), 0);
+    assert_eq!(a.pool_count(), 0);
+}
+
+#[test]
+fn a_released_pool_returns_its_memory_when_its_last_block_is_freed() {
+    let (sim, a) = alloc(256 * MIB);
+    let s = unique_stream();
+    a.begin_allocate_to_pool(POOL, None).unwrap();
+    let p = a.malloc(3 * MIB, s).unwrap();
+    a.end_allocate_to_pool(POOL).unwrap();
+    a.release_pool(POOL).unwrap();
+    assert_eq!(sim.used(0), 20 * MIB as u64, "still allocated");
+    assert_eq!(a.pool_count(), 1);
+    a.free(p, Some(s)).unwrap();
+    assert_eq!(sim.used(0), 0);
+    assert_eq!(a.pool_count(), 0);
+}
+
+#[test]
+fn a_pool_lives_until_its_last_use_is_released() {
+    let (sim, a) = alloc(256 * MIB);
+    let s = unique_stream();
+    for _ in 0..2 {
+        a.begin_allocate_to_pool(POOL, None).unwrap();
+        let p = a.malloc(MIB, s).unwrap();
+        a.free(p, None).unwrap();
+        a.end_allocate_to_pool(POOL).unwrap();
+    }
+    a.release_pool(POOL).unwrap();
+    assert_eq!(sim.used(0), 2 * MIB as u64, "one use remains");
+    a.release_pool(POOL).unwrap();
+    assert_eq!(sim.used(0), 0);
+}
+
+#[test]
+fn empty_cache_keeps_pools_in_use_and_frees_unused_ones() {
+    let (sim, a) = alloc(256 * MIB);
+    let s = unique_stream();
+    a.begin_allocate_to_pool(POOL, None).unwrap();
+    let p = a.malloc(MIB, s).unwrap();
+    a.end_allocate_to_pool(POOL).unwrap();
+    a.free(p, None).unwrap();
+    a.empty_cache().unwrap();
+    assert_eq!(
+        sim.used(0),
+        2 * MIB as u64,
+        "the pool is in use: its cache stays"
+    );
+    a.release_pool(POOL).unwrap();
+    a.empty_cache().unwrap();
+    assert_eq!(sim.used(0), 0);
+}
+
+#[test]
+fn pools_created_and_released_in_turn_reuse_their_stream_slots() {
+    // More pools than a device has stream slots (4096): each vanished pool's shard serves
+    // the next pool on the same stream.
+    let (sim, a) = alloc(256 * MIB);
+    let s = unique_stream();
+    for round in 0..5000u64 {
+        let pool = (100 + round, 0);
+        a.begin_allocate_to_pool(pool, None).unwrap();
+        let p = a.malloc(MIB, s).unwrap();
+        a.end_allocate_to_pool(pool).unwrap();
+        a.free(p, None).unwrap();
+        a.release_pool(pool).unwrap();
+    }
+    assert_eq!(sim.used(0), 0);
+    assert_eq!(a.pool_count(), 0);
+    assert_eq!(a.stats().num_device_alloc, 5000);
+}
+
+#[test]
+fn pool_memory_counts_in_the_device_statistics() {
+    let (_sim, a) = alloc(256 * MIB);
+    let s = unique_stream();
+    a.begin_allocate_to_pool(POOL, None).unwrap();
+    let p = a.malloc(MIB, s).unwrap();
+    a.end_allocate_to_pool(POOL).unwrap();
+    let st = a.stats();
+    assert_eq!(st.allocated_bytes[0].current, MIB as i64);
+    assert_eq!(st.reserved_bytes[0].current, 2 * MIB as i64);
+    a.free(p, None).unwrap();
+    assert_eq!(a.stats().allocated_bytes[0].current, 0);
+    a.release_pool(POOL).unwrap();
+}
+
+#[test]
+fn pool_calls_with_bad_ids_or_states_are_errors() {
+    let (_sim, a) = alloc(64 * MIB);
+    let bad = |r: tensoralloc::Result<()>| matches!(r, Err(Error::InvalidArgument(_)));
+    assert!(
+        bad(a.begin_allocate_to_pool((0, 0), None)),
+        "(0, 0) is no pool"
+    );
+    assert!(bad(a.end_allocate_to_pool(POOL)), "nothing underway");
+    assert!(bad(a.release_pool(POOL)), "no use to release");
+    a.begin_allocate_to_pool(POOL, None).unwrap();
+    a.end_allocate_to_pool(POOL).unwrap();
+    assert!(bad(a.end_allocate_to_pool(POOL)), "ended twice");
+    a.release_pool(POOL).unwrap();
+    assert!(bad(a.release_pool(POOL)), "released twice");
+}
+
+#[test]
+fn stream_events_of_frees_during_capture_wait_until_the_capture_ends() {
+    let (sim, a) = alloc(256 * MIB);
+    let (s, side) = (unique_stream(), unique_stream());
+    let p = a.malloc(MIB, s).unwrap();
+    a.record_stream(p, side).unwrap();
+    sim::capture::begin_capture(s).unwrap();
+    a.begin_allocate_to_pool(POOL, only(s)).unwrap();
+    a.free(p, Some(s)).unwrap();
+    assert_eq!(sim.counters.event_records.load(Relaxed), 0, "deferred");
+    let q = a.malloc(MIB, side).unwrap();
+    assert_ne!(q, p, "the freed block is still in use by `side`");
+    a.end_allocate_to_pool(POOL).unwrap();
+    sim::capture::end_capture(s).expect("the capture stayed valid");
+    assert_eq!(
+        sim.counters.event_records.load(Relaxed),
+        1,
+        "recorded at the end"
+    );
+    assert!(a.stats().active_bytes[0].current >= 2 * MIB as i64);
+    a.poll_events();
+    assert_eq!(a.stats().active_bytes[0].current, MIB as i64, "q only");
+    a.free(q, Some(side)).unwrap();
+    a.release_pool(POOL).unwrap();
+}
+
+#[test]
+fn no_event_is_queried_or_waited_for_while_a_pool_is_active() {
+    let (sim, a) = alloc(64 * MIB);
+    let (s, side) = (unique_stream(), unique_stream());
+    sim::hold_stream(side);
+    let p = a.malloc(40 * MIB, s).unwrap();
+    a.record_stream(p, side).unwrap();
+    a.free(p, Some(s)).unwrap();
+    let queries = sim.counters.event_queries.load(Relaxed);
+    sim::capture::begin_capture(s).unwrap();
+    a.begin_allocate_to_pool(POOL, None).unwrap();
+    let small = a.malloc(MIB, s).unwrap();
+    // Too big while the cached block waits for its event: fails without waiting or freeing.
+    let e = a.malloc(40 * MIB, s).unwrap_err();
+    assert!(matches!(e, Error::OutOfMemory(_)), "{e:?}");
+    a.empty_cache().unwrap();
+    a.free(small, None).unwrap();
+    assert_eq!(sim.counters.event_queries.load(Relaxed), queries);
+    assert_eq!(sim.counters.event_syncs.load(Relaxed), 0);
+    assert_eq!(sim.counters.mem_free.load(Relaxed), 0);
+    a.end_allocate_to_pool(POOL).unwrap();
+    sim::capture::end_capture(s).expect("the capture stayed valid");
+    sim::release_stream(side);
+    a.release_pool(POOL).unwrap();
+    a.empty_cache().unwrap();
+    assert_eq!(sim.used(0), 0);
+}
+
+#[test]
+fn a_capture_nobody_announced_still_defers_stream_events() {
+    let (sim, a) = alloc(256 * MIB);
+    let (s, side) = (unique_stream(), unique_stream());
+    let p = a.malloc(MIB, s).unwrap();
+    a.record_stream(p, side).unwrap();
+    sim::capture::begin_capture(side).unwrap();
+    a.free(p, Some(s)).unwrap();
+    assert_eq!(sim.counters.event_records.load(Relaxed), 0);
+    sim::capture::end_capture(side).unwrap();
+    a.poll_events();
+    assert_eq!(sim.counters.event_records.load(Relaxed), 1);
+    let q = a.malloc(MIB, s).unwrap();
+    assert_eq!(q, p, "the block came back once its event completed");
+    a.free(q, Some(s)).unwrap();
+}
+
+#[test]
+fn the_simulated_driver_invalidates_a_capture_on_an_event_query() {
+    let (sim, a) = alloc(64 * MIB);
+    let s = unique_stream();
+    let _ = a;
+    let e = {
+        use tensoralloc::driver::Driver;
+        let ev = sim.event_create(0).unwrap();
+        sim::capture::begin_capture(s).unwrap();
+        assert!(sim.stream_capturing(s).unwrap());
+        sim.event_query(0, ev).unwrap();
+        sim::capture::end_capture(s).unwrap_err()
+    };
+    assert!(
+        e.to_string()
+            .contains("CUDA_ERROR_STREAM_CAPTURE_INVALIDATED"),
+        "{e}"
+    );
+}
