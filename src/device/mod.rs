@@ -18,8 +18,8 @@
 
 mod events;
 mod free_index;
-pub mod history;
 pub mod graph;
+pub mod history;
 mod limit;
 pub mod shard;
 pub mod size;
@@ -36,8 +36,8 @@ use crate::config::{roundup_interval, Config, ROUNDUP_INTERVALS};
 use crate::driver::{Driver, Event, Stream};
 use crate::error::{Error, Result};
 use events::EventPool;
-use history::Action;
 use graph::GraphPools;
+use history::Action;
 use limit::MemoryLimit;
 use shard::{ShardInner, StatSink, State};
 use size::{format_bytes, round_size_with, segment_size, PoolKind, MAX_REQUEST};
