@@ -15,9 +15,12 @@
 //! allows, the ceiling for the allocator's ratio.
 
 use std::hint::black_box;
-use std::sync::{Arc, Barrier};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Duration;
 
+mod common;
+
+use common::{in_threads, thread_cpu};
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use tensoralloc::capi::host::{tensoralloc_host_free, tensoralloc_host_malloc};
 use tensoralloc::config::Config;
@@ -25,17 +28,6 @@ use tensoralloc::driver::sim::SimDriver;
 use tensoralloc::host::HostAllocator;
 
 const SIZE: usize = 4096;
-
-/// CPU time consumed by the calling thread.
-fn thread_cpu() -> Duration {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: `ts` is a valid timespec to write to.
-    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
-    Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
-}
 
 fn allocator() -> Arc<HostAllocator> {
     let sim = SimDriver::shared(1, 1 << 30).expect("simulated driver");
@@ -91,7 +83,7 @@ fn cached_pair(c: &mut Criterion) {
 /// mean CPU time of those threads.
 fn churn(host: &Arc<HostAllocator>, threads: usize, iters: u64) -> (Duration, Duration) {
     let host = host.clone();
-    in_threads(threads, iters, move || {
+    in_threads(threads, iters, move |_| {
         let blk = host.malloc(black_box(SIZE)).unwrap();
         host.free(black_box(blk.ptr), Some(blk.ctx)).unwrap();
     })
@@ -99,7 +91,7 @@ fn churn(host: &Arc<HostAllocator>, threads: usize, iters: u64) -> (Duration, Du
 
 /// Thread-private work of about the cost of a cached pair: the control for `churn`.
 fn control(threads: usize, iters: u64) -> Duration {
-    in_threads(threads, iters, || {
+    in_threads(threads, iters, |_| {
         let mut x = black_box(1u64);
         for _ in 0..18 {
             x = black_box(x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1));
@@ -107,40 +99,6 @@ fn control(threads: usize, iters: u64) -> Duration {
         black_box(x);
     })
     .0
-}
-
-/// Runs `work` `iters` times on each of `threads` threads started together; returns the wall
-/// time and the threads' mean CPU time.
-fn in_threads(
-    threads: usize,
-    iters: u64,
-    work: impl Fn() + Clone + Send + 'static,
-) -> (Duration, Duration) {
-    let start = Arc::new(Barrier::new(threads + 1));
-    let done = Arc::new(Barrier::new(threads + 1));
-    let handles: Vec<_> = (0..threads)
-        .map(|_| {
-            let (work, start, done) = (work.clone(), start.clone(), done.clone());
-            std::thread::spawn(move || {
-                // Warm up: the first call on a thread may take a slow path.
-                work();
-                start.wait();
-                let t0 = thread_cpu();
-                for _ in 0..iters {
-                    work();
-                }
-                let cpu = thread_cpu() - t0;
-                done.wait();
-                cpu
-            })
-        })
-        .collect();
-    start.wait();
-    let t0 = Instant::now();
-    done.wait();
-    let took = t0.elapsed();
-    let cpu: Duration = handles.into_iter().map(|h| h.join().unwrap()).sum();
-    (took, cpu / threads as u32)
 }
 
 fn threads(c: &mut Criterion) {

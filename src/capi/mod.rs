@@ -10,6 +10,7 @@
 
 use std::cell::RefCell;
 use std::ffi::{c_char, c_int, CStr, CString};
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 
 use crate::error::Error;
 
@@ -73,6 +74,18 @@ struct LastError {
     set: bool,
 }
 
+/// Threads whose last error is set. While it is 0, clearing the last error needs no
+/// thread-local lookup (a call through the dynamic TLS model in a shared library).
+static ERRORS_SET: AtomicUsize = AtomicUsize::new(0);
+
+impl Drop for LastError {
+    fn drop(&mut self) {
+        if self.set {
+            ERRORS_SET.fetch_sub(1, Relaxed);
+        }
+    }
+}
+
 thread_local! {
     static LAST_ERROR: RefCell<LastError> = RefCell::new(LastError {
         message: CString::default(),
@@ -81,12 +94,18 @@ thread_local! {
 }
 
 /// Clears this thread's last error. Cheap when there is none (the usual case on hot paths).
+#[inline]
 pub(crate) fn clear_last_error() {
+    // A thread that set its error counts itself here, so it always sees a nonzero count.
+    if ERRORS_SET.load(Relaxed) == 0 {
+        return;
+    }
     let _ = LAST_ERROR.try_with(|cell| {
         if let Ok(mut last) = cell.try_borrow_mut() {
             if last.set {
                 last.message = CString::default();
                 last.set = false;
+                ERRORS_SET.fetch_sub(1, Relaxed);
             }
         }
     });
@@ -98,6 +117,9 @@ pub(crate) fn set_last_error_text(text: &str) {
     let _ = LAST_ERROR.try_with(|cell| {
         if let Ok(mut last) = cell.try_borrow_mut() {
             last.message = message;
+            if !last.set {
+                ERRORS_SET.fetch_add(1, Relaxed);
+            }
             last.set = true;
         }
     });

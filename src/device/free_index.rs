@@ -1,35 +1,230 @@
 //! The ordered index of a pool's free blocks, keyed by (size, address, block id): best fit is
 //! the first key at or above (request, 0, 0).
 //!
-//! Most pools hold a handful of free blocks, where a sorted vector beats a B-tree several times
-//! over (a cached malloc+free moves a few keys); fragmented pools can hold thousands, where a
-//! B-tree's logarithmic updates win. The index switches between the two with hysteresis.
+//! Sizes up to [`BINNED_MAX`] (every size of the small pool) have one bin per size, found
+//! through a two-level bitmap, each bin listing its blocks by address, highest first. A cached
+//! malloc+free takes the lowest-addressed block of the best size and gives back a block at the
+//! same address, so it pops and pushes the ends of bins: its cost does not depend on how many
+//! blocks the pool holds.
+//!
+//! Larger sizes are kept in order: in a sorted vector while few (a vector beats a B-tree
+//! several times over at a handful of keys), in a B-tree when thousands (logarithmic updates
+//! win), switching between the two with hysteresis.
 
 use std::collections::BTreeSet;
 
 pub(crate) type Key = (usize, usize, u32);
 
-/// Above this many keys the index becomes a B-tree...
+/// Sizes are binned in steps of this many bytes...
+const STEP: usize = 512;
+/// ...up to this size.
+const BINNED_MAX: usize = BINS * STEP;
+const BINS: usize = 64 * 64;
+
+/// Above this many keys the ordered part becomes a B-tree...
 const PROMOTE: usize = 64;
 /// ...and below this many it becomes a vector again.
 const DEMOTE: usize = 16;
 
-pub(crate) enum FreeIndex {
-    Sorted(Vec<Key>),
-    Tree(BTreeSet<Key>),
-}
-
-impl Default for FreeIndex {
-    fn default() -> Self {
-        FreeIndex::Sorted(Vec::with_capacity(PROMOTE))
-    }
+/// A pool's free blocks.
+#[derive(Default)]
+pub(crate) struct FreeIndex {
+    bins: Bins,
+    ordered: Ordered,
 }
 
 impl FreeIndex {
     pub fn insert(&mut self, key: Key) {
+        match bin_of(key.0) {
+            Some(b) => self.bins.insert(b, (key.1, key.2)),
+            None => self.ordered.insert(key),
+        }
+    }
+
+    pub fn remove(&mut self, key: &Key) -> bool {
+        match bin_of(key.0) {
+            Some(b) => self.bins.remove(b, (key.1, key.2)),
+            None => self.ordered.remove(key),
+        }
+    }
+
+    /// The smallest key at or above `from`.
+    #[inline]
+    pub fn first_at_least(&self, from: Key) -> Option<Key> {
+        let binned = self.bins.first_at_least(from);
+        if self.ordered.is_empty() {
+            return binned;
+        }
+        match (binned, self.ordered.first_at_least(from)) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// Every key, in order.
+    pub fn iter(&self) -> Box<dyn Iterator<Item = Key> + '_> {
+        let mut binned = self.bins.iter().peekable();
+        let mut ordered = self.ordered.iter().peekable();
+        Box::new(std::iter::from_fn(move || {
+            match (binned.peek(), ordered.peek()) {
+                (Some(a), Some(b)) if b < a => ordered.next(),
+                (Some(_), _) => binned.next(),
+                _ => ordered.next(),
+            }
+        }))
+    }
+}
+
+/// The bin of blocks of exactly `size` bytes, if such sizes are binned.
+#[inline]
+fn bin_of(size: usize) -> Option<usize> {
+    (size.is_multiple_of(STEP) && (STEP..=BINNED_MAX).contains(&size)).then(|| size / STEP - 1)
+}
+
+/// The bins of 64 consecutive sizes: (address, id), highest first.
+type Group = [Vec<(usize, u32)>; 64];
+
+/// One list of blocks per binned size, with a bitmap of the lists that are not empty.
+struct Bins {
+    /// Bit `g`: `used[g]` is not 0.
+    groups: u64,
+    /// Bit `b` of `used[g]`: bin `64 * g + b` is not empty.
+    used: [u64; 64],
+    /// Groups of bins, made when first used.
+    lists: [Option<Box<Group>>; 64],
+}
+
+impl Default for Bins {
+    fn default() -> Self {
+        Bins {
+            groups: 0,
+            used: [0; 64],
+            lists: std::array::from_fn(|_| None),
+        }
+    }
+}
+
+impl Bins {
+    fn list(&self, bin: usize) -> &[(usize, u32)] {
+        self.lists[bin / 64].as_ref().map_or(&[], |g| &g[bin % 64])
+    }
+
+    fn insert(&mut self, bin: usize, entry: (usize, u32)) {
+        let (g, b) = (bin / 64, bin % 64);
+        let list = &mut self.lists[g]
+            .get_or_insert_with(|| Box::new(std::array::from_fn(|_| Vec::new())))[b];
+        // The usual case: the lowest address of its size (a block given back where it was taken).
+        if list.last().is_none_or(|last| *last > entry) {
+            list.push(entry);
+        } else {
+            let at = list.partition_point(|e| *e > entry);
+            list.insert(at, entry);
+        }
+        self.used[g] |= 1 << b;
+        self.groups |= 1 << g;
+    }
+
+    fn remove(&mut self, bin: usize, entry: (usize, u32)) -> bool {
+        let (g, b) = (bin / 64, bin % 64);
+        let Some(group) = self.lists[g].as_mut() else {
+            return false;
+        };
+        let list = &mut group[b];
+        if list.last() == Some(&entry) {
+            list.pop();
+        } else {
+            match list.binary_search_by(|e| entry.cmp(e)) {
+                Ok(at) => {
+                    list.remove(at);
+                }
+                Err(_) => return false,
+            }
+        }
+        if list.is_empty() {
+            self.used[g] &= !(1 << b);
+            if self.used[g] == 0 {
+                self.groups &= !(1 << g);
+            }
+        }
+        true
+    }
+
+    /// The first non-empty bin at or after `bin`.
+    #[inline]
+    fn next_used(&self, bin: usize) -> Option<usize> {
+        let (g, b) = (bin / 64, bin % 64);
+        let here = self.used[g] & (u64::MAX << b);
+        if here != 0 {
+            return Some(g * 64 + here.trailing_zeros() as usize);
+        }
+        let later = self.groups & u64::MAX.checked_shl(g as u32 + 1).unwrap_or(0);
+        if later == 0 {
+            return None;
+        }
+        let g = later.trailing_zeros() as usize;
+        Some(g * 64 + self.used[g].trailing_zeros() as usize)
+    }
+
+    #[inline]
+    fn first_at_least(&self, from: Key) -> Option<Key> {
+        let key = |bin: usize, (addr, id): (usize, u32)| ((bin + 1) * STEP, addr, id);
+        // Bins of sizes above `from.0`: their lowest entry.
+        let above = |bin: usize| {
+            let b = self.next_used(bin)?;
+            self.list(b).last().map(|&e| key(b, e))
+        };
+        if from.0 > BINNED_MAX {
+            return None;
+        }
+        let first = from.0.div_ceil(STEP).max(1) - 1;
+        if (first + 1) * STEP != from.0 {
+            return above(first);
+        }
+        // The bin of exactly `from.0`: its lowest entry at or above (address, id).
+        let list = self.list(first);
+        let at = list.partition_point(|e| *e >= (from.1, from.2));
+        match at.checked_sub(1) {
+            Some(i) => Some(key(first, list[i])),
+            None if first + 1 < BINS => above(first + 1),
+            None => None,
+        }
+    }
+
+    fn iter(&self) -> impl Iterator<Item = Key> + '_ {
+        (0..BINS)
+            .filter(|&b| self.used[b / 64] & (1 << (b % 64)) != 0)
+            .flat_map(move |b| {
+                self.list(b)
+                    .iter()
+                    .rev()
+                    .map(move |&(addr, id)| ((b + 1) * STEP, addr, id))
+            })
+    }
+}
+
+/// Keys in order: a sorted vector while few, a B-tree when many.
+enum Ordered {
+    Sorted(Vec<Key>),
+    Tree(BTreeSet<Key>),
+}
+
+impl Default for Ordered {
+    fn default() -> Self {
+        Ordered::Sorted(Vec::new())
+    }
+}
+
+impl Ordered {
+    fn is_empty(&self) -> bool {
         match self {
-            FreeIndex::Sorted(v) => {
-                // Appending is the common case in small pools (one free block, or the largest).
+            Ordered::Sorted(v) => v.is_empty(),
+            Ordered::Tree(t) => t.is_empty(),
+        }
+    }
+
+    fn insert(&mut self, key: Key) {
+        match self {
+            Ordered::Sorted(v) => {
                 if v.last().is_none_or(|last| *last < key) {
                     v.push(key);
                 } else {
@@ -37,52 +232,51 @@ impl FreeIndex {
                     v.insert(at, key);
                 }
                 if v.len() > PROMOTE {
-                    *self = FreeIndex::Tree(v.drain(..).collect());
+                    *self = Ordered::Tree(v.drain(..).collect());
                 }
             }
-            FreeIndex::Tree(t) => {
+            Ordered::Tree(t) => {
                 t.insert(key);
             }
         }
     }
 
-    pub fn remove(&mut self, key: &Key) -> bool {
+    fn remove(&mut self, key: &Key) -> bool {
         match self {
-            FreeIndex::Sorted(v) if v.last() == Some(key) => {
+            Ordered::Sorted(v) if v.last() == Some(key) => {
                 v.pop();
                 true
             }
-            FreeIndex::Sorted(v) => match v.binary_search(key) {
+            Ordered::Sorted(v) => match v.binary_search(key) {
                 Ok(at) => {
                     v.remove(at);
                     true
                 }
                 Err(_) => false,
             },
-            FreeIndex::Tree(t) => {
+            Ordered::Tree(t) => {
                 let removed = t.remove(key);
                 if t.len() < DEMOTE {
                     let mut v = Vec::with_capacity(PROMOTE);
                     v.extend(t.iter().copied());
-                    *self = FreeIndex::Sorted(v);
+                    *self = Ordered::Sorted(v);
                 }
                 removed
             }
         }
     }
 
-    /// The smallest key at or above `from`.
-    pub fn first_at_least(&self, from: Key) -> Option<Key> {
+    fn first_at_least(&self, from: Key) -> Option<Key> {
         match self {
-            FreeIndex::Sorted(v) => v.get(v.partition_point(|k| *k < from)).copied(),
-            FreeIndex::Tree(t) => t.range(from..).next().copied(),
+            Ordered::Sorted(v) => v.get(v.partition_point(|k| *k < from)).copied(),
+            Ordered::Tree(t) => t.range(from..).next().copied(),
         }
     }
 
-    pub fn iter(&self) -> Box<dyn Iterator<Item = Key> + '_> {
+    fn iter(&self) -> Box<dyn Iterator<Item = Key> + '_> {
         match self {
-            FreeIndex::Sorted(v) => Box::new(v.iter().copied()),
-            FreeIndex::Tree(t) => Box::new(t.iter().copied()),
+            Ordered::Sorted(v) => Box::new(v.iter().copied()),
+            Ordered::Tree(t) => Box::new(t.iter().copied()),
         }
     }
 }
@@ -103,7 +297,13 @@ mod tests {
             // Grow for a while, then shrink, so both representations are exercised.
             let grow = (step / 2000) % 2 == 0;
             let key = (
-                (x % 50) as usize * 512,
+                match x % 7 {
+                    // Binned sizes, most of them.
+                    0..=4 => (x % 50) as usize * 512,
+                    // Ordered ones: large, or not a multiple of 512.
+                    5 => (2 << 20) + (x % 50) as usize * 512,
+                    _ => (x % 50) as usize * 512 + 100,
+                },
                 (x >> 8) as usize % 4096 * 512,
                 step,
             );
@@ -115,7 +315,11 @@ mod tests {
                 assert!(index.remove(&victim));
                 model.remove(&victim);
             }
-            let probe = ((x >> 30) as usize % 60 * 512, 0, 0);
+            let probe = match (x >> 40) % 3 {
+                0 => ((x >> 30) as usize % 60 * 512, 0, 0),
+                1 => ((2 << 20) + (x >> 30) as usize % 60 * 512, 0, 0),
+                _ => (key.0, (x >> 12) as usize % 4096 * 512, step / 2),
+            };
             assert_eq!(
                 index.first_at_least(probe),
                 model.range(probe..).next().copied()

@@ -85,10 +85,9 @@ struct Sink<'a> {
 impl StatSink for Sink<'_> {
     #[inline(always)]
     fn change(&mut self, index: usize, delta: i64) {
-        let alloc = self.alloc;
-        alloc
-            .counters
-            .change(&self.shard.stats, index, delta, |i| alloc.total_current(i));
+        if self.shard.stats.change(index, delta) {
+            self.alloc.settle_peaks(self.shard);
+        }
     }
 }
 
@@ -142,6 +141,24 @@ impl DeviceAllocator {
 
     fn sink<'a>(&'a self, shard: &'a Shard) -> Sink<'a> {
         Sink { alloc: self, shard }
+    }
+
+    /// Settles statistics of `home` (whose lock the caller holds) that passed their limits,
+    /// unless another thread is settling: that thread then settles them too.
+    #[cold]
+    #[inline(never)]
+    fn settle_peaks(&self, home: &Shard) {
+        let Some(_settle) = self.counters.settle.try_lock() else {
+            return;
+        };
+        let shards: Vec<&Shard> = self.shards.iter().collect();
+        let _guards: Vec<_> = shards
+            .iter()
+            .filter(|s| !std::ptr::eq(**s, home))
+            .map(|s| s.inner.lock())
+            .collect();
+        let stats: Vec<&ShardStats> = shards.iter().map(|s| &s.stats).collect();
+        stats::settle(&self.counters, &stats);
     }
 
     fn total_current(&self, index: usize) -> i64 {
@@ -588,24 +605,17 @@ impl DeviceAllocator {
 
     /// Sets every peak to its current value.
     pub fn reset_peak_stats(&self) {
+        let _settle = self.counters.settle.lock();
         let shards: Vec<&Shard> = self.shards.iter().collect();
         let _guards: Vec<_> = shards.iter().map(|s| s.inner.lock()).collect();
-        for i in 0..TRACKED {
-            let mut total = 0;
-            for s in &shards {
-                let c = &s.stats.cells[i];
-                let cur = c.current.load(Relaxed);
-                c.local_peak.store(cur, Relaxed);
-                total += cur;
-            }
-            self.counters.sum_local_peaks[i].store(total, Relaxed);
-            self.counters.peak[i].store(total, Relaxed);
-        }
+        let stats: Vec<&ShardStats> = shards.iter().map(|s| &s.stats).collect();
+        stats::reset_peaks(&self.counters, &stats);
     }
 
     /// Zeroes the accumulated totals (`allocated`, `freed`) and the event counters
     /// (retries, OOMs, syncs, driver allocations and frees, invalid frees).
     pub fn reset_accumulated_stats(&self) {
+        let _settle = self.counters.settle.lock();
         let shards: Vec<&Shard> = self.shards.iter().collect();
         let _guards: Vec<_> = shards.iter().map(|s| s.inner.lock()).collect();
         for s in &shards {

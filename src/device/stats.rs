@@ -4,13 +4,22 @@
 //! by anyone), so allocation on one stream never writes a cache line that another stream's
 //! allocation writes. Device-wide values are sums over shards.
 //!
-//! Device-wide peaks are kept exact without a shared counter on the hot path: each shard
-//! also keeps its own peak, and the device keeps the sum of those shard peaks. When a shard's
-//! counter rises, the device total can only be a new peak if this shard's current value plus
-//! the other shards' peaks exceeds the device peak; only then are all shards' current values
-//! summed. In a warm loop the bound holds and the check reads two rarely written words.
+//! Device-wide peaks stay exact with reservations: every shard has a limit per statistic,
+//! the limits add up to the device peak, and a shard's counter may rise up to its limit
+//! without looking anywhere else (the sum then cannot pass the peak). Only a counter that
+//! would pass its limit is settled ([`settle`]): under the device's settle lock and every
+//! shard's lock, the shard takes the unused headroom of other shards, and the peak rises by
+//! what is still missing. The peak rises only when every other shard is at its limit, so it
+//! is the exact total. Taking only what is missing leaves other shards' headroom alone, so
+//! streams that each hold steady stop settling after their first rounds.
+//!
+//! Lock order: the settle lock, then shard locks. A thread that holds a shard lock only
+//! *tries* the settle lock; when another thread holds it, the overdraft is left marked on the
+//! shard and that thread settles it once it has every shard's lock.
 
-use std::sync::atomic::{AtomicI64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicI64, AtomicU32, Ordering::Relaxed};
+
+use parking_lot::Mutex;
 
 use super::size::PoolKind;
 
@@ -124,14 +133,15 @@ impl DeviceStats {
     }
 }
 
-/// One statistic of one shard. Written only under the shard's lock.
+/// One statistic of one shard. Written only under the shard's lock (a settle holds them all).
 ///
 /// `freed` is not stored: it is `allocated - current + freed_base`, where `freed_base` is the
 /// current value when accumulated statistics were last reset, so a decrease writes one word.
 #[derive(Default)]
 pub(crate) struct Cell {
     pub current: AtomicI64,
-    pub local_peak: AtomicI64,
+    /// How far `current` may rise before the device peak must be settled.
+    pub limit: AtomicI64,
     pub allocated: AtomicI64,
     pub freed_base: AtomicI64,
 }
@@ -151,21 +161,119 @@ impl Cell {
 /// The statistics of one stream shard.
 pub(crate) struct ShardStats {
     pub cells: [Cell; TRACKED],
+    /// Bit `i`: statistic `i` passed its limit and is not settled yet.
+    over: AtomicU32,
+    /// Highest value of each unsettled statistic since it passed its limit.
+    high: [AtomicI64; TRACKED],
 }
 
 impl Default for ShardStats {
     fn default() -> Self {
         ShardStats {
             cells: std::array::from_fn(|_| Cell::default()),
+            over: AtomicU32::new(0),
+            high: std::array::from_fn(|_| AtomicI64::new(0)),
         }
+    }
+}
+
+impl ShardStats {
+    /// Adds `delta` to statistic `index`. The caller holds the shard's lock. Returns true when
+    /// the statistic passed its limit, so that the device peak must be settled.
+    #[inline(always)]
+    pub fn change(&self, index: usize, delta: i64) -> bool {
+        let cell = &self.cells[index];
+        let current = cell.current.load(Relaxed) + delta;
+        cell.current.store(current, Relaxed);
+        if delta > 0 {
+            cell.allocated
+                .store(cell.allocated.load(Relaxed) + delta, Relaxed);
+            if current > cell.limit.load(Relaxed) {
+                self.mark_over(index, current);
+                return true;
+            }
+        }
+        false
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn mark_over(&self, index: usize, current: i64) {
+        let bit = 1u32 << index;
+        let high = &self.high[index];
+        if self.over.load(Relaxed) & bit == 0 || high.load(Relaxed) < current {
+            high.store(current, Relaxed);
+        }
+        self.over.store(self.over.load(Relaxed) | bit, Relaxed);
+    }
+
+    /// What statistic `index` needs as its limit: its current value, or its highest value
+    /// while unsettled.
+    fn need(&self, index: usize) -> i64 {
+        let current = self.cells[index].current.load(Relaxed);
+        if self.over.load(Relaxed) & (1 << index) != 0 {
+            current.max(self.high[index].load(Relaxed))
+        } else {
+            current
+        }
+    }
+}
+
+/// Settles every shard's overdrafts. The caller holds the settle lock and every shard's lock.
+pub(crate) fn settle(counters: &DeviceCounters, shards: &[&ShardStats]) {
+    for (s, shard) in shards.iter().enumerate() {
+        let mut over = shard.over.load(Relaxed);
+        while over != 0 {
+            let i = over.trailing_zeros() as usize;
+            over &= over - 1;
+            let deficit = shard.need(i) - shard.cells[i].limit.load(Relaxed);
+            if deficit <= 0 {
+                continue;
+            }
+            let mut missing = deficit;
+            for (t, other) in shards.iter().enumerate() {
+                if missing == 0 {
+                    break;
+                }
+                let limit = &other.cells[i].limit;
+                let spare = limit.load(Relaxed) - other.need(i);
+                if t != s && spare > 0 {
+                    let take = spare.min(missing);
+                    limit.store(limit.load(Relaxed) - take, Relaxed);
+                    missing -= take;
+                }
+            }
+            let limit = &shard.cells[i].limit;
+            limit.store(limit.load(Relaxed) + deficit, Relaxed);
+            counters.peak[i].fetch_add(missing, Relaxed);
+        }
+        shard.over.store(0, Relaxed);
+    }
+}
+
+/// Sets every limit to its statistic's current value and each peak to the current total.
+/// The caller holds the settle lock and every shard's lock.
+pub(crate) fn reset_peaks(counters: &DeviceCounters, shards: &[&ShardStats]) {
+    for i in 0..TRACKED {
+        let mut total = 0;
+        for s in shards {
+            let cur = s.cells[i].current.load(Relaxed);
+            s.cells[i].limit.store(cur, Relaxed);
+            total += cur;
+        }
+        counters.peak[i].store(total, Relaxed);
+    }
+    for s in shards {
+        s.over.store(0, Relaxed);
     }
 }
 
 /// Device-wide statistics state: peaks and the counters of rare events.
 pub(crate) struct DeviceCounters {
+    /// Each peak equals the sum of the shards' limits of its statistic.
     pub peak: [AtomicI64; TRACKED],
-    /// Sum over shards of each shard's own peak (an upper bound on any device total).
-    pub sum_local_peaks: [AtomicI64; TRACKED],
+    /// Taken before shard locks to settle or reset peaks (see the module documentation).
+    pub settle: Mutex<()>,
     pub num_alloc_retries: AtomicI64,
     pub num_ooms: AtomicI64,
     pub num_sync_all_streams: AtomicI64,
@@ -178,7 +286,7 @@ impl Default for DeviceCounters {
     fn default() -> Self {
         DeviceCounters {
             peak: std::array::from_fn(|_| AtomicI64::new(0)),
-            sum_local_peaks: std::array::from_fn(|_| AtomicI64::new(0)),
+            settle: Mutex::new(()),
             num_alloc_retries: AtomicI64::new(0),
             num_ooms: AtomicI64::new(0),
             num_sync_all_streams: AtomicI64::new(0),
@@ -190,47 +298,6 @@ impl Default for DeviceCounters {
 }
 
 impl DeviceCounters {
-    /// Adds `delta` to statistic `index` of `shard`. The caller holds the shard's lock;
-    /// `total` sums the current value of `index` over all shards (called only when the device
-    /// peak may have been passed).
-    #[inline(always)]
-    pub fn change(
-        &self,
-        shard: &ShardStats,
-        index: usize,
-        delta: i64,
-        total: impl Fn(usize) -> i64,
-    ) {
-        let cell = &shard.cells[index];
-        let current = cell.current.load(Relaxed) + delta;
-        cell.current.store(current, Relaxed);
-        if delta > 0 {
-            cell.allocated
-                .store(cell.allocated.load(Relaxed) + delta, Relaxed);
-            self.track_peak(cell, index, current, total);
-        }
-    }
-
-    #[inline(always)]
-    fn track_peak(&self, cell: &Cell, index: usize, current: i64, total: impl Fn(usize) -> i64) {
-        let mut local_peak = cell.local_peak.load(Relaxed);
-        if current > local_peak {
-            self.sum_local_peaks[index].fetch_add(current - local_peak, Relaxed);
-            cell.local_peak.store(current, Relaxed);
-            local_peak = current;
-        }
-        let others_bound = self.sum_local_peaks[index].load(Relaxed) - local_peak;
-        if current + others_bound > self.peak[index].load(Relaxed) {
-            self.raise_peak(index, total);
-        }
-    }
-
-    #[cold]
-    #[inline(never)]
-    fn raise_peak(&self, index: usize, total: impl Fn(usize) -> i64) {
-        self.peak[index].fetch_max(total(index), Relaxed);
-    }
-
     pub fn bump(counter: &AtomicI64) {
         counter.fetch_add(1, Relaxed);
     }

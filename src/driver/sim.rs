@@ -260,6 +260,14 @@ pub fn release_stream(stream: Stream) {
     s.releases += 1;
 }
 
+/// Releases every held stream (a device-wide synchronisation), leaving none held.
+pub fn release_all_streams() {
+    for s in STREAMS.lock().values_mut().filter(|s| s.held) {
+        s.held = false;
+        s.releases += 1;
+    }
+}
+
 /// Whether `stream` is held.
 pub fn stream_is_held(stream: Stream) -> bool {
     STREAMS.lock().get(&stream).is_some_and(|s| s.held)

@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use super::arena::{ALLOCATED, FREE};
 use super::events::POLL_BATCH;
-use super::shard::{floor_log2, FreeBlock};
+use super::shard::FreeBlock;
 use super::{HostAllocator, HostBlock, MAX_REQUEST, UNROUNDED_GRANULE};
 use crate::error::{Error, Result};
 
@@ -26,10 +26,9 @@ impl HostAllocator {
             self.poll_events(false);
         }
         let home = self.home_shard();
-        let class = floor_log2(need);
         let taken = {
             let mut g = self.shards[home].inner.lock();
-            let b = g.pop_fit(class, need);
+            let b = g.take_best(need, self.round_power2);
             match b {
                 Some(b) if g.fits(&[1, b.size as i64, 1]) => {
                     g.apply(&[1, b.size as i64, 1]);

@@ -7,8 +7,11 @@
 //! - a request is rounded up to a power of two and served by a free block of at least that
 //!   size, the smallest first and then the lowest address; only when none is free is new
 //!   memory pinned through the [`Driver`]. The cached path looks only at the calling
-//!   thread's shard, for a block of exactly the rounded size (lowest address first); when it
-//!   has none, every shard is searched for the best fit before the driver is asked;
+//!   thread's shard, for the best fit there (the smallest size class with a fitting block,
+//!   lowest address first): a block this thread's shard holds is preferred to a smaller one
+//!   another thread's shard holds, so a thread never takes another thread's locks while its
+//!   own shard can serve it. When it has none, every shard is searched for the best fit
+//!   before the driver is asked;
 //! - a block named in [`HostAllocator::record_event`] is, when freed, guarded by one event per
 //!   stream that used it and becomes reusable once all have completed. Events are polled by
 //!   later calls and never waited for;
@@ -139,7 +142,7 @@ impl HostAllocator {
     }
 
     fn home_shard(&self) -> usize {
-        shard::thread_index() & self.shard_mask
+        shard::home_slot() & self.shard_mask
     }
 
     /// A snapshot of the statistics. Locks each shard briefly, one at a time.

@@ -1,7 +1,8 @@
 //! Shards: the cached path's only lock.
 //!
-//! Each thread is given a home shard (threads are spread round-robin, so up to as many
-//! threads as shards never share one). A shard owns free blocks, one min-heap per size class
+//! Each thread is given a home shard when it first allocates: the one with the fewest live
+//! threads, given back when the thread exits, so up to as many threads as shards never share
+//! one, however many threads came and went before (no run-to-run lottery). A shard owns free blocks, one min-heap per size class
 //! ordered by address, and the counters of the blocks it handed out. Shards are padded to
 //! separate cache lines, so threads that allocate and free on their own shards share no
 //! written memory.
@@ -16,7 +17,7 @@
 use std::cell::Cell;
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 
 /// Size classes: a block of `size` bytes is in class `floor(log2(size))`.
 pub(crate) const CLASSES: usize = usize::BITS as usize;
@@ -125,25 +126,6 @@ pub(crate) struct FreeBlock {
 }
 
 impl ShardInner {
-    /// Takes the lowest-addressed free block of `class` if it holds at least `need` bytes.
-    #[inline]
-    pub(crate) fn pop_fit(&mut self, class: usize, need: usize) -> Option<FreeBlock> {
-        let heap = &mut self.free[class];
-        let &Reverse((address, size, id)) = heap.peek()?;
-        if size < need {
-            return None;
-        }
-        heap.pop();
-        if heap.is_empty() {
-            self.nonempty &= !(1u64 << class);
-        }
-        Some(FreeBlock {
-            address,
-            size,
-            id: id as u32,
-        })
-    }
-
     /// The best free block for `need` bytes: the smallest, then the lowest address. With
     /// `uniform` (every block of a class has the same size, as with power-of-two rounding)
     /// each class's first block is its best.
@@ -172,6 +154,39 @@ impl ShardInner {
             }
         }
         None
+    }
+
+    /// Takes the best free block for `need` bytes (see [`ShardInner::best_fit`]).
+    #[inline]
+    pub(crate) fn take_best(&mut self, need: usize, uniform: bool) -> Option<FreeBlock> {
+        if uniform {
+            // The first non-empty class from `need`'s own: its lowest address is the best.
+            let class = (self.nonempty & (u64::MAX << floor_log2(need))).trailing_zeros() as usize;
+            let heap = self.free.get_mut(class)?;
+            let &Reverse((address, size, id)) = heap.peek()?;
+            if size >= need {
+                heap.pop();
+                if heap.is_empty() {
+                    self.nonempty &= !(1u64 << class);
+                }
+                return Some(FreeBlock {
+                    address,
+                    size,
+                    id: id as u32,
+                });
+            }
+        }
+        let b = self.best_fit(need, uniform)?;
+        let class = floor_log2(b.size);
+        if self.free[class].peek().map(|r| r.0 .2) == Some(b.id as u64) {
+            self.free[class].pop();
+            if self.free[class].is_empty() {
+                self.nonempty &= !(1u64 << class);
+            }
+        } else {
+            self.remove(&b);
+        }
+        Some(b)
     }
 
     /// Removes the free block `b` (found by `best_fit`); false if it is no longer here.
@@ -236,33 +251,72 @@ pub(crate) fn floor_log2(n: usize) -> usize {
     (usize::BITS - 1 - n.max(1).leading_zeros()) as usize
 }
 
-static NEXT_THREAD: AtomicUsize = AtomicUsize::new(0);
+/// Most shards an allocator has.
+const MAX_SHARDS: usize = 64;
+
+/// Live threads that have each shard slot as their home (process-wide: every allocator of the
+/// process has the same number of shards).
+static USERS: [AtomicU32; MAX_SHARDS] = [const { AtomicU32::new(0) }; MAX_SHARDS];
+
+/// The calling thread's shard slot; given back when the thread exits.
+struct HomeSlot(Cell<usize>);
+
+impl Drop for HomeSlot {
+    fn drop(&mut self) {
+        let slot = self.0.get();
+        if slot != usize::MAX {
+            USERS[slot].fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+}
 
 thread_local! {
-    static THREAD_INDEX: Cell<usize> = const { Cell::new(usize::MAX) };
+    static HOME: HomeSlot = const { HomeSlot(Cell::new(usize::MAX)) };
 }
 
-/// A small number that is different for each of the first threads to ask: threads are
-/// numbered in the order they first allocate.
-pub(crate) fn thread_index() -> usize {
-    THREAD_INDEX
-        .try_with(|cell| {
-            let i = cell.get();
-            if i != usize::MAX {
-                return i;
-            }
-            let i = NEXT_THREAD.fetch_add(1, Ordering::Relaxed);
-            cell.set(i);
-            i
-        })
-        // During thread teardown: any shard is correct, only slower.
-        .unwrap_or(0)
+/// The calling thread's shard slot, in `0..shard_count()`. A thread gets the slot with the
+/// fewest live threads (the lowest such) when it first asks, so threads never share a shard
+/// while there are no more of them than shards, whatever threads came and went before.
+#[inline]
+pub(crate) fn home_slot() -> usize {
+    HOME.try_with(|home| {
+        let slot = home.0.get();
+        if slot != usize::MAX {
+            return slot;
+        }
+        let slot = claim_slot(&USERS[..shard_count()]);
+        home.0.set(slot);
+        slot
+    })
+    .unwrap_or(0)
 }
 
-/// How many shards an allocator makes: twice the hardware threads, at least 4, at most 64.
+/// Takes a place in the slot with the fewest users (the lowest such) and returns it.
+#[cold]
+fn claim_slot(slots: &[AtomicU32]) -> usize {
+    loop {
+        let (slot, users) = slots
+            .iter()
+            .map(|u| u.load(Ordering::Relaxed))
+            .enumerate()
+            .min_by_key(|&(i, users)| (users, i))
+            .expect("at least one shard");
+        if slots[slot]
+            .compare_exchange(users, users + 1, Ordering::Relaxed, Ordering::Relaxed)
+            .is_ok()
+        {
+            return slot;
+        }
+    }
+}
+
+/// Shards per allocator: twice the CPUs, as a power of two, at least 4.
 pub(crate) fn shard_count() -> usize {
-    let cpus = std::thread::available_parallelism().map_or(4, |n| n.get());
-    (cpus * 2).next_power_of_two().clamp(4, 64)
+    static COUNT: once_cell::sync::OnceCell<usize> = once_cell::sync::OnceCell::new();
+    *COUNT.get_or_init(|| {
+        let cpus = std::thread::available_parallelism().map_or(4, |n| n.get());
+        (cpus * 2).next_power_of_two().clamp(4, MAX_SHARDS)
+    })
 }
 
 #[cfg(test)]
@@ -306,16 +360,30 @@ mod tests {
     }
 
     #[test]
+    fn threads_take_the_least_used_slot_and_a_freed_slot_is_taken_again() {
+        let slots: [AtomicU32; 4] = [const { AtomicU32::new(0) }; 4];
+        let taken: Vec<usize> = (0..4).map(|_| claim_slot(&slots)).collect();
+        assert_eq!(
+            taken,
+            [0, 1, 2, 3],
+            "no two of four threads share one of four slots"
+        );
+        slots[2].fetch_sub(1, Ordering::Relaxed);
+        assert_eq!(claim_slot(&slots), 2, "a slot given back is the least used");
+        assert_eq!(claim_slot(&slots), 0, "then slots are shared evenly");
+    }
+
+    #[test]
     fn a_class_hands_out_its_lowest_address_first() {
         let s = Shard::new();
         let mut g = s.inner.lock();
         g.push(block(0x9000, 4096, 1));
         g.push(block(0x3000, 4096, 2));
         g.push(block(0x5000, 4096, 3));
-        assert_eq!(g.pop_fit(12, 4096).map(|b| b.id), Some(2));
-        assert_eq!(g.pop_fit(12, 4096).map(|b| b.id), Some(3));
-        assert_eq!(g.pop_fit(12, 4096).map(|b| b.id), Some(1));
-        assert_eq!(g.pop_fit(12, 4096), None);
+        assert_eq!(g.take_best(4096, true).map(|b| b.id), Some(2));
+        assert_eq!(g.take_best(4096, true).map(|b| b.id), Some(3));
+        assert_eq!(g.take_best(4096, true).map(|b| b.id), Some(1));
+        assert_eq!(g.take_best(4096, true), None);
         assert_eq!(g.best_fit(1, true), None);
     }
 

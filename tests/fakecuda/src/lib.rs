@@ -93,6 +93,7 @@ pub(crate) use driver_api;
 
 // Modules that define driver functions with `driver_api!` come after the macro (textual scope).
 pub mod capture;
+pub mod entry;
 pub mod memops;
 
 /// Every exported driver function of the crate, from each file that defines some.
@@ -101,6 +102,7 @@ pub fn all_exports() -> impl Iterator<Item = &'static (&'static str, &'static [&
         .iter()
         .chain(capture::CAPTURE_EXPORTS)
         .chain(memops::EXPORTS)
+        .chain(entry::EXPORTS)
 }
 
 driver_api! {

@@ -14,6 +14,7 @@ use std::path::PathBuf;
 use std::process::Command;
 
 use fakecuda::all_exports;
+use fakecuda::entry::LEGACY_EXPORTS;
 use fakecuda::types::{FIELD_OFFSETS, TYPE_SIZES};
 
 /// NVIDIA's header directory: `$CUDA_INCLUDE_DIR`, else the workspace's `target/cuda-include`,
@@ -75,9 +76,17 @@ fn c_spelling_of_rust_pointer_types() {
     assert_eq!(c_type("usize"), "size_t");
 }
 
-/// The translation unit that checks every export against `cuda.h`.
-fn check_source() -> String {
-    let mut c = String::from("#include <stddef.h>\n#include <cuda.h>\n\n");
+/// The translation unit that checks `exports` against `cuda.h` (with the declarations of the
+/// older ABIs when `legacy`).
+fn check_source<'a>(
+    exports: impl Iterator<Item = &'a (&'a str, &'a [&'a str])>,
+    legacy: bool,
+) -> String {
+    let mut c = String::new();
+    if legacy {
+        c.push_str("#define __CUDA_API_VERSION_INTERNAL 1\n");
+    }
+    c.push_str("#include <stddef.h>\n#include <cuda.h>\n\n");
     for (ty, size) in TYPE_SIZES {
         writeln!(
             c,
@@ -93,7 +102,7 @@ fn check_source() -> String {
         .unwrap();
     }
     c.push_str("\nvoid fakecuda_prototypes(void);\nvoid fakecuda_prototypes(void) {\n");
-    for (name, params) in all_exports() {
+    for (name, params) in exports {
         let params = if params.is_empty() {
             "void".to_string()
         } else {
@@ -115,11 +124,22 @@ fn check_source() -> String {
 
 #[test]
 fn every_export_has_nvidias_prototype() {
+    compile_check(&check_source(all_exports(), false), "current");
+}
+
+#[test]
+fn every_legacy_export_has_nvidias_older_prototype() {
+    compile_check(&check_source(LEGACY_EXPORTS.iter(), true), "legacy");
+}
+
+/// Compiles `source` against NVIDIA's headers; fails with the compiler's complaint.
+fn compile_check(source: &str, what: &str) {
     let include = cuda_include_dir();
-    let dir = std::env::temp_dir().join(format!("fakecuda-prototypes-{}", std::process::id()));
+    let dir =
+        std::env::temp_dir().join(format!("fakecuda-prototypes-{what}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let src = dir.join("prototypes.c");
-    std::fs::write(&src, check_source()).unwrap();
+    std::fs::write(&src, source).unwrap();
     let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
     let out = Command::new(&cc)
         .args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-c", "-o"])
@@ -163,7 +183,10 @@ fn every_exported_driver_symbol_is_checked() {
         .output()
         .expect("run nm (binutils)");
     assert!(out.status.success(), "nm failed on {}", lib.display());
-    let listed: Vec<&str> = all_exports().map(|(n, _)| *n).collect();
+    let listed: Vec<&str> = all_exports()
+        .chain(LEGACY_EXPORTS)
+        .map(|(n, _)| *n)
+        .collect();
     let exported: Vec<String> = String::from_utf8_lossy(&out.stdout)
         .lines()
         .filter_map(|l| l.split_whitespace().last())

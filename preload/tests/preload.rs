@@ -1,0 +1,303 @@
+//! The preload library in front of unmodified C programs on the fake driver (`libfakecuda.so`
+//! as `libcuda.so.1`): each program runs without and with `LD_PRELOAD`; the lines it prints
+//! starting with `result:` must be the same, and the fake driver's counters (`count:` lines)
+//! show what reached the driver. Needs `cargo build --workspace` first (scripts/test does it)
+//! and NVIDIA's headers (`scripts/fetch-cuda-headers`).
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::OnceLock;
+
+/// target/<profile>.
+fn profile_dir() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    exe.parent().and_then(Path::parent).unwrap().to_path_buf()
+}
+
+fn built(name: &str) -> PathBuf {
+    let p = profile_dir().join(name);
+    assert!(
+        p.is_file(),
+        "{} is not built: run `cargo build --workspace` first",
+        p.display()
+    );
+    p
+}
+
+fn preload_lib() -> PathBuf {
+    built("libtensoralloc_preload.so")
+}
+
+/// A directory where the fake driver is `libcuda.so` and `libcuda.so.1`.
+fn fake_dir() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let fake = built("libfakecuda.so");
+        let dir = profile_dir().join("preload-tests").join("lib");
+        std::fs::create_dir_all(&dir).unwrap();
+        for name in ["libcuda.so", "libcuda.so.1"] {
+            let link = dir.join(name);
+            let _ = std::fs::remove_file(&link);
+            std::os::unix::fs::symlink(&fake, &link).unwrap();
+        }
+        dir
+    })
+}
+
+fn cuda_include() -> PathBuf {
+    let dir = std::env::var_os("CUDA_INCLUDE_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/cuda-include")
+        });
+    assert!(
+        dir.join("cuda.h").is_file(),
+        "NVIDIA's cuda.h is not in {}: run scripts/fetch-cuda-headers",
+        dir.display()
+    );
+    dir
+}
+
+/// Compiles `tests/c/<name>.c` once per test run.
+fn program(name: &'static str) -> PathBuf {
+    static BUILT: OnceLock<std::sync::Mutex<Vec<(&'static str, PathBuf)>>> = OnceLock::new();
+    let built = BUILT.get_or_init(Default::default);
+    let mut built = built.lock().unwrap();
+    if let Some((_, p)) = built.iter().find(|(n, _)| *n == name) {
+        return p.clone();
+    }
+    let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(format!("tests/c/{name}.c"));
+    let exe = profile_dir().join("preload-tests").join(name);
+    let mut cmd = Command::new(std::env::var("CC").unwrap_or_else(|_| "cc".into()));
+    cmd.args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-O1", "-o"])
+        .arg(&exe)
+        .arg(&src)
+        .arg("-I")
+        .arg(cuda_include());
+    if name == "driver_direct" {
+        cmd.arg("-L").arg(fake_dir()).arg("-lcuda");
+    }
+    cmd.args(["-ldl", "-lpthread"]);
+    let out = cmd.output().expect("run the C compiler");
+    assert!(
+        out.status.success(),
+        "{name}.c does not compile:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    built.push((name, exe.clone()));
+    exe
+}
+
+struct Run {
+    stdout: String,
+    stderr: String,
+}
+
+impl Run {
+    fn results(&self) -> Vec<&str> {
+        self.stdout
+            .lines()
+            .filter(|l| l.starts_with("result:"))
+            .collect()
+    }
+
+    /// The number at the end of the `count:` line that starts with `what`.
+    fn count(&self, what: &str) -> u64 {
+        let line = self
+            .stdout
+            .lines()
+            .find_map(|l| l.strip_prefix("count: ")?.strip_prefix(what))
+            .unwrap_or_else(|| panic!("no `count: {what}` line in:\n{}", self.stdout));
+        line.trim().parse().unwrap()
+    }
+}
+
+fn run_with(exe: &Path, args: &[&str], preload: bool, env: &[(&str, &str)]) -> Run {
+    let mut cmd = Command::new(exe);
+    cmd.args(args)
+        .env("LD_LIBRARY_PATH", fake_dir())
+        .env_remove("LD_PRELOAD")
+        .env_remove("TENSORALLOC_PRELOAD")
+        .env_remove("TENSORALLOC_PRELOAD_STATS");
+    if preload {
+        cmd.env("LD_PRELOAD", preload_lib());
+    }
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let out: Output = cmd.output().expect("run the program");
+    let run = Run {
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    };
+    assert!(
+        out.status.success(),
+        "{} {args:?} (preload: {preload}) failed ({}):\n{}{}",
+        exe.display(),
+        out.status,
+        run.stdout,
+        run.stderr
+    );
+    run
+}
+
+fn run(exe: &Path, args: &[&str], preload: bool) -> Run {
+    run_with(exe, args, preload, &[])
+}
+
+/// Runs without and with the preload; the results must agree.
+fn both(name: &'static str, args: &[&str]) -> (Run, Run) {
+    let exe = program(name);
+    let plain = run(&exe, args, false);
+    let preloaded = run(&exe, args, true);
+    assert!(!plain.results().is_empty(), "no results:\n{}", plain.stdout);
+    assert_eq!(
+        plain.results(),
+        preloaded.results(),
+        "results differ with the preload:\n--- without\n{}\n--- with\n{}{}",
+        plain.stdout,
+        preloaded.stdout,
+        preloaded.stderr
+    );
+    (plain, preloaded)
+}
+
+/// Without the preload every pair reached the driver; with it, at most 2 calls did (one
+/// segment, perhaps one more while a batch of frees waits for its marker), and nothing was
+/// said on stderr.
+fn assert_cached(plain: &Run, preloaded: &Run, host_pairs: u64) {
+    for (what, pairs) in [
+        ("sync pairs mem_alloc", 10_000),
+        ("async pairs mem_alloc", 10_000),
+        ("host pairs host_alloc", host_pairs),
+    ] {
+        assert_eq!(plain.count(what), pairs, "{}", plain.stdout);
+        assert!(preloaded.count(what) <= 2, "{what}:\n{}", preloaded.stdout);
+    }
+    assert!(preloaded.stderr.is_empty(), "{}", preloaded.stderr);
+}
+
+#[test]
+fn a_driver_api_program_gets_the_same_results_and_cached_allocations() {
+    let (plain, preloaded) = both("driver_direct", &["pairs"]);
+    assert_cached(&plain, &preloaded, 2_000);
+}
+
+#[test]
+fn a_program_reaching_the_driver_through_cu_get_proc_address_is_served_too() {
+    let (plain, preloaded) = both("procaddr", &[]);
+    assert_cached(&plain, &preloaded, 1_000);
+}
+
+#[test]
+fn a_double_free_returns_invalid_value_and_is_reported_once() {
+    let (_, preloaded) = both("driver_direct", &["double-free"]);
+    assert_eq!(
+        preloaded.results(),
+        [
+            "result: second cuMemFree = 1",
+            "result: another second cuMemFree = 1"
+        ]
+    );
+    assert_eq!(
+        preloaded.stderr.matches("not a live allocation").count(),
+        1,
+        "{}",
+        preloaded.stderr
+    );
+}
+
+#[test]
+fn a_freed_block_waits_for_work_queued_before_the_free() {
+    let r = run(&program("driver_direct"), &["marker"], true);
+    assert_eq!(
+        r.results(),
+        [
+            "result: reused while the legacy stream is busy: no",
+            "result: reused once it completed: yes"
+        ],
+        "{}{}",
+        r.stdout,
+        r.stderr
+    );
+}
+
+#[test]
+fn a_bad_configuration_is_said_once_and_every_call_passes_through() {
+    let exe = program("driver_direct");
+    let r = run_with(
+        &exe,
+        &["pairs"],
+        true,
+        &[("TENSORALLOC_CONF", "no_such_option:1")],
+    );
+    assert_eq!(r.count("sync pairs mem_alloc"), 10_000);
+    assert_eq!(
+        r.stderr.matches("tensoralloc preload: disabled").count(),
+        1,
+        "{}",
+        r.stderr
+    );
+}
+
+#[test]
+fn preload_off_passes_every_call_through() {
+    let exe = program("driver_direct");
+    let off = run_with(&exe, &["pairs"], true, &[("TENSORALLOC_PRELOAD", "off")]);
+    assert_eq!(off.count("sync pairs mem_alloc"), 10_000);
+    assert_eq!(off.count("async pairs mem_alloc"), 10_000);
+    let exe = program("procaddr");
+    let off = run_with(&exe, &[], true, &[("TENSORALLOC_PRELOAD", "off")]);
+    assert_eq!(off.count("sync pairs mem_alloc"), 10_000);
+}
+
+#[test]
+fn a_program_that_never_touches_cuda_runs_unchanged() {
+    let (_, preloaded) = both("no_cuda", &[]);
+    assert!(preloaded.stderr.is_empty(), "{}", preloaded.stderr);
+    assert!(preloaded
+        .results()
+        .contains(&"result: dlsym(RTLD_NEXT) works"));
+}
+
+#[test]
+fn a_forked_child_passes_through_and_the_parent_keeps_its_cache() {
+    let (_, preloaded) = both("driver_direct", &["fork"]);
+    assert!(preloaded
+        .results()
+        .contains(&"result: child allocation reached the driver: yes"));
+}
+
+#[test]
+fn threads_get_disjoint_blocks() {
+    let r = run(&program("driver_direct"), &["threads"], true);
+    assert_eq!(
+        r.results(),
+        ["result: threads saw only their own data: yes"],
+        "{}",
+        r.stderr
+    );
+}
+
+#[test]
+fn statistics_are_printed_at_exit_when_asked() {
+    let exe = program("driver_direct");
+    let r = run_with(
+        &exe,
+        &["double-free"],
+        true,
+        &[("TENSORALLOC_PRELOAD_STATS", "1")],
+    );
+    assert!(
+        r.stderr
+            .contains("tensoralloc preload: 2 device allocations served"),
+        "{}",
+        r.stderr
+    );
+    assert!(r.stderr.contains("2 invalid frees"), "{}", r.stderr);
+    assert!(
+        r.stderr.contains("device 0: 1 driver allocations"),
+        "{}",
+        r.stderr
+    );
+}
