@@ -1,13 +1,19 @@
-//! Planner benchmarks: offset planning time on synthetic model traces of about 10,000
-//! allocations (`cargo bench --bench plan`), the plan / lower-bound ratio of every algorithm
-//! on those traces (printed first), and serving an iteration from a profiling plan.
+//! Planner benchmarks: offset planning time on synthetic model traces of 10,000 to 60,000
+//! allocations and on MiniMalloc's "challenging" instances (`tests/data/planner/`)
+//! (`cargo bench --bench plan`), the plan / lower-bound ratio of every algorithm on those
+//! inputs (printed first; with `TENSORALLOC_BENCH_EXACT=1` also the `exact` algorithm's time
+//! and proof per challenging instance), and serving an iteration from a profiling plan.
 
 use std::hint::black_box;
+use std::path::PathBuf;
+use std::time::Instant;
 
 use criterion::{criterion_group, BenchmarkId, Criterion};
 use tensoralloc::plan::memory::HostMemory;
 use tensoralloc::plan::profiling::Profiler;
-use tensoralloc::plan::{lower_bound, plan_offsets, traces, Algorithm, Allocation};
+use tensoralloc::plan::{
+    lower_bound, plan_offsets, plan_offsets_with, traces, Algorithm, Allocation, PlanOptions,
+};
 
 /// The traces measured: name and allocations.
 fn model_traces() -> Vec<(&'static str, Vec<Allocation>)> {
@@ -37,10 +43,71 @@ fn model_traces() -> Vec<(&'static str, Vec<Allocation>)> {
     ]
 }
 
+/// Larger model traces: 30,000 to 60,000 allocations.
+fn large_traces() -> Vec<(&'static str, Vec<Allocation>)> {
+    vec![
+        (
+            "transformer-train-24L-30k",
+            traces::transformer_training(24, 45, 8, 1024, 1024, 16, 6),
+        ),
+        (
+            "transformer-train-48L-60k",
+            traces::transformer_training(48, 45, 8, 1024, 1024, 16, 7),
+        ),
+        ("resnet50-train-60k", traces::cnn_training(32, 224, 166, 8)),
+    ]
+}
+
+const CHALLENGING: [&str; 11] = ["A", "B", "C", "D", "E", "F", "G", "H", "I", "J", "K"];
+
+/// A challenging instance: half-open lifetimes `[lower, upper)` read as inclusive last uses.
+fn challenging(name: &str) -> Vec<Allocation> {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/data/planner")
+        .join(format!("{name}.1048576.csv"));
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path:?}: {e}"));
+    traces::minimalloc_csv(&text).unwrap()
+}
+
+/// Prints, for each challenging instance, the default's and PyTorch's ratio to the lower
+/// bound and, when asked, the exact algorithm's time and proof.
+fn report_challenging() {
+    let exact = std::env::var_os("TENSORALLOC_BENCH_EXACT").is_some();
+    println!("challenging set (alignment 1): plan size / lower bound");
+    for name in CHALLENGING {
+        let allocs = challenging(name);
+        let bound = lower_bound(&allocs, 1).unwrap() as f64;
+        let start = Instant::now();
+        let default = plan_offsets(&allocs, 1, Algorithm::Best).unwrap();
+        let took = start.elapsed();
+        let pytorch = plan_offsets(&allocs, 1, Algorithm::Pytorch).unwrap();
+        print!(
+            "  {name} n={:3} default {:.4} ({:.1} ms) pytorch {:.4}",
+            allocs.len(),
+            default.arena_size as f64 / bound,
+            took.as_secs_f64() * 1e3,
+            pytorch.arena_size as f64 / bound
+        );
+        if exact {
+            let start = Instant::now();
+            let out =
+                plan_offsets_with(&allocs, 1, Algorithm::Exact, &PlanOptions::default()).unwrap();
+            print!(
+                "  exact {:.4} ({:.2} s, {} work units) proven {}",
+                out.plan.arena_size as f64 / bound,
+                start.elapsed().as_secs_f64(),
+                out.work,
+                out.proven_optimal
+            );
+        }
+        println!();
+    }
+}
+
 /// Prints, for each trace, every algorithm's arena divided by the lower bound.
 fn report_ratios() {
     println!("plan size / lower bound (alignment 64):");
-    for (name, allocs) in model_traces() {
+    for (name, allocs) in model_traces().into_iter().chain(large_traces()) {
         let bound = lower_bound(&allocs, 64).unwrap();
         print!(
             "  {name:28} n={:5} bound={:6.2} GiB",
@@ -73,6 +140,20 @@ fn offsets(c: &mut Criterion) {
                 |b, allocs| b.iter(|| plan_offsets(black_box(allocs), 64, algorithm).unwrap()),
             );
         }
+    }
+    for (name, allocs) in large_traces() {
+        group.bench_with_input(BenchmarkId::new("best", name), &allocs, |b, allocs| {
+            b.iter(|| plan_offsets(black_box(allocs), 64, Algorithm::Best).unwrap())
+        });
+    }
+    group.finish();
+    let mut group = c.benchmark_group("plan_challenging");
+    group.sample_size(10);
+    for name in CHALLENGING {
+        let allocs = challenging(name);
+        group.bench_with_input(BenchmarkId::new("best", name), &allocs, |b, allocs| {
+            b.iter(|| plan_offsets(black_box(allocs), 1, Algorithm::Best).unwrap())
+        });
     }
     group.finish();
 }
@@ -110,6 +191,7 @@ criterion_group!(benches, offsets, serving);
 
 fn main() {
     report_ratios();
+    report_challenging();
     benches();
     Criterion::default().configure_from_args().final_summary();
 }

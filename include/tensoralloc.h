@@ -252,6 +252,49 @@ typedef struct tensoralloc_host_stats {
 } tensoralloc_host_stats;
 
 /**
+ * Options of `tensoralloc_plan_offsets_ex`. Zero-initialise it (`= {0}`) for the defaults,
+ * then set what you need.
+ */
+typedef struct tensoralloc_plan_options {
+  /**
+   * Work units the search of `"default"` and `"exact"` may spend (allocations scanned,
+   * sections checked, neighbours updated: roughly 10^8 a second on one core). 0 means the
+   * algorithm's default (1,000,000 for `"default"`, 4,000,000,000 for `"exact"`). The
+   * plan depends only on the input and this budget, never on the machine.
+   */
+  uint64_t work_budget;
+  /**
+   * Wall-clock cap in milliseconds, 0 for none. Passing it stops the search early, so
+   * plans made under a time cap may differ between runs; use `work_budget` for
+   * reproducible ones.
+   */
+  uint64_t time_limit_ms;
+} tensoralloc_plan_options;
+
+/**
+ * What `tensoralloc_plan_offsets_ex` found besides the offsets.
+ */
+typedef struct tensoralloc_plan_result {
+  /**
+   * Bytes the arena needs: the largest offset + rounded size.
+   */
+  uint64_t arena_size;
+  /**
+   * The smallest arena any layout can have (most bytes live at once).
+   */
+  uint64_t lower_bound;
+  /**
+   * Work units the search spent (0 when none ran).
+   */
+  uint64_t work;
+  /**
+   * 1 when no layout has a smaller arena (the plan meets the lower bound, or the search
+   * finished); 0 when the budget or time cap stopped it first.
+   */
+  int proven_optimal;
+} tensoralloc_plan_result;
+
+/**
  * Counters of a profiling allocator, since it was made.
  */
 typedef struct tensoralloc_profiling_stats {
@@ -566,12 +609,13 @@ void tensoralloc_host_reset_accumulated_stats(void);
  *
  * `alignment` is a nonzero power of two (64 suits CPU and GPU tensors). `algorithm` is NULL
  * or `"default"` (the best plan tensoralloc finds: never larger than `"pytorch"`'s, with an
- * exact search for small inputs), `"pytorch"` (PyTorch's profiling-allocator plan: time
+ * search within a small work budget when the greedy orders miss the lower bound), `"pytorch"` (PyTorch's profiling-allocator plan: time
  * order, best fit among free gaps), `"greedy-by-size"`, `"greedy-by-breadth"`,
  * `"greedy-by-area"`, `"greedy-by-lifetime"`, `"greedy-by-time"` (one greedy placement each),
- * `"best"` (same as the default) or `"exact"` (branch and bound for up to about a second:
- * optimal when it finishes, for inputs of up to 64 nonzero allocations). Plans are
- * deterministic: the same input gives the same plan on any machine.
+ * `"best"` (same as the default) or `"exact"` (a canonical search with a budget of
+ * 4,000,000,000 work units, about a minute at most; `tensoralloc_plan_offsets_ex` sets
+ * another budget and says whether the plan is proven optimal). Plans are deterministic: the
+ * same input gives the same plan on any machine.
  *
  * On success writes `offsets[0..n]` (each a multiple of `alignment`) and `*arena_size` (the
  * largest offset + rounded size) and returns `TENSORALLOC_OK`. Returns
@@ -588,6 +632,23 @@ tensoralloc_status tensoralloc_plan_offsets(size_t n,
                                             const char *algorithm,
                                             uint64_t *offsets,
                                             uint64_t *arena_size);
+
+/**
+ * `tensoralloc_plan_offsets` with a search budget, reporting whether the plan is proven
+ * optimal. `options` may be NULL (all defaults). On success writes `offsets[0..n]` and
+ * `*result` and returns `TENSORALLOC_OK`. Returns `TENSORALLOC_ERR_INVALID_ARGUMENT` with a
+ * last error, writing nothing, on the inputs `tensoralloc_plan_offsets` rejects, a NULL
+ * `result`. The arrays and structs stay the caller's.
+ */
+tensoralloc_status tensoralloc_plan_offsets_ex(size_t n,
+                                               const uint64_t *sizes,
+                                               const uint64_t *first_use,
+                                               const uint64_t *last_use,
+                                               uint64_t alignment,
+                                               const char *algorithm,
+                                               const struct tensoralloc_plan_options *options,
+                                               uint64_t *offsets,
+                                               struct tensoralloc_plan_result *result);
 
 /**
  * The smallest arena any layout of the `n` allocations can have (the most bytes, sizes

@@ -10,7 +10,10 @@ use crate::error::{Error, Result};
 use crate::plan::memory::{DeviceMemory, HostMemory, MemorySource};
 use crate::plan::profiling::{ProfilePlan, Profiler};
 use crate::plan::storage::{StoragePlanner, StorageValue};
-use crate::plan::{lower_bound, plan_offsets, validate, Algorithm, Allocation, OffsetPlan};
+use crate::plan::{
+    lower_bound, plan_offsets_with, validate, Algorithm, Allocation, OffsetPlan, PlanOptions,
+    PlanOutcome,
+};
 
 /// Reads `n` elements at `p`; NULL is accepted only when `n` is 0.
 ///
@@ -62,6 +65,38 @@ fn out_is_set<T>(p: *mut T, what: &str) -> Result<()> {
     Ok(())
 }
 
+/// Plans the allocations of three parallel arrays with `options` and writes `offsets[0..n]`;
+/// `out_checked` is the caller's check of its other output, reported after the input's faults
+/// and before anything is written.
+///
+/// # Safety
+/// As for `tensoralloc_plan_offsets_ex`: each array NULL or `n` readable values, `algorithm`
+/// NULL or NUL-terminated, `offsets` NULL or room for `n` values.
+unsafe fn plan_into(
+    (n, sizes, first_use, last_use): (usize, *const u64, *const u64, *const u64),
+    alignment: u64,
+    algorithm: *const c_char,
+    options: &PlanOptions,
+    offsets: *mut u64,
+    out_checked: Result<()>,
+) -> Result<PlanOutcome> {
+    // SAFETY: the caller promises `n` readable values behind each non-NULL array.
+    let allocs = unsafe { allocations(n, sizes, first_use, last_use)? };
+    // SAFETY: the caller promises a NUL-terminated string when not NULL.
+    let name = unsafe { opt_str(algorithm, "algorithm")? };
+    let algorithm = name.map_or(Ok(Algorithm::Best), Algorithm::from_name)?;
+    if n > 0 {
+        out_is_set(offsets, "offsets")?;
+    }
+    out_checked?;
+    let outcome = plan_offsets_with(&allocs, alignment, algorithm, options)?;
+    if n > 0 {
+        // SAFETY: `offsets` is non-NULL and the caller promises room for `n` values.
+        unsafe { std::ptr::copy_nonoverlapping(outcome.plan.offsets.as_ptr(), offsets, n) };
+    }
+    Ok(outcome)
+}
+
 /// Lays out `n` allocations in one arena. Allocation `i` has `sizes[i]` bytes and is live from
 /// time step `first_use[i]` to `last_use[i]` inclusive; allocations `i` and `j` are live
 /// together when `first_use[i] <= last_use[j] && first_use[j] <= last_use[i]`, and then never
@@ -69,12 +104,13 @@ fn out_is_set<T>(p: *mut T, what: &str) -> Result<()> {
 ///
 /// `alignment` is a nonzero power of two (64 suits CPU and GPU tensors). `algorithm` is NULL
 /// or `"default"` (the best plan tensoralloc finds: never larger than `"pytorch"`'s, with an
-/// exact search for small inputs), `"pytorch"` (PyTorch's profiling-allocator plan: time
+/// search within a small work budget when the greedy orders miss the lower bound), `"pytorch"` (PyTorch's profiling-allocator plan: time
 /// order, best fit among free gaps), `"greedy-by-size"`, `"greedy-by-breadth"`,
 /// `"greedy-by-area"`, `"greedy-by-lifetime"`, `"greedy-by-time"` (one greedy placement each),
-/// `"best"` (same as the default) or `"exact"` (branch and bound for up to about a second:
-/// optimal when it finishes, for inputs of up to 64 nonzero allocations). Plans are
-/// deterministic: the same input gives the same plan on any machine.
+/// `"best"` (same as the default) or `"exact"` (a canonical search with a budget of
+/// 4,000,000,000 work units, about a minute at most; `tensoralloc_plan_offsets_ex` sets
+/// another budget and says whether the plan is proven optimal). Plans are deterministic: the
+/// same input gives the same plan on any machine.
 ///
 /// On success writes `offsets[0..n]` (each a multiple of `alignment`) and `*arena_size` (the
 /// largest offset + rounded size) and returns `TENSORALLOC_OK`. Returns
@@ -95,22 +131,104 @@ pub extern "C" fn tensoralloc_plan_offsets(
 ) -> tensoralloc_status {
     ffi_boundary! {
         let run = || -> Result<()> {
-            // SAFETY: the caller promises `n` readable values behind each non-NULL array.
-            let allocs = unsafe { allocations(n, sizes, first_use, last_use)? };
-            // SAFETY: the caller promises a NUL-terminated string when not NULL.
-            let name = unsafe { opt_str(algorithm, "algorithm")? };
-            let algorithm = name.map_or(Ok(Algorithm::Best), Algorithm::from_name)?;
-            if n > 0 {
-                out_is_set(offsets, "offsets")?;
-            }
-            out_is_set(arena_size, "arena_size")?;
-            let plan = plan_offsets(&allocs, alignment, algorithm)?;
-            if n > 0 {
-                // SAFETY: `offsets` is non-NULL and the caller promises room for `n` values.
-                unsafe { std::ptr::copy_nonoverlapping(plan.offsets.as_ptr(), offsets, n) };
-            }
+            let defaults = PlanOptions::default();
+            // SAFETY: forwarded from the caller.
+            let outcome = unsafe {
+                plan_into(
+                    (n, sizes, first_use, last_use),
+                    alignment,
+                    algorithm,
+                    &defaults,
+                    offsets,
+                    out_is_set(arena_size, "arena_size"),
+                )?
+            };
             // SAFETY: non-NULL, and the caller promises a writable uint64_t.
-            unsafe { arena_size.write(plan.arena_size) };
+            unsafe { arena_size.write(outcome.plan.arena_size) };
+            Ok(())
+        };
+        status(run())
+    }
+}
+
+/// Options of `tensoralloc_plan_offsets_ex`. Zero-initialise it (`= {0}`) for the defaults,
+/// then set what you need.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct tensoralloc_plan_options {
+    /// Work units the search of `"default"` and `"exact"` may spend (allocations scanned,
+    /// sections checked, neighbours updated: roughly 10^8 a second on one core). 0 means the
+    /// algorithm's default (1,000,000 for `"default"`, 4,000,000,000 for `"exact"`). The
+    /// plan depends only on the input and this budget, never on the machine.
+    pub work_budget: u64,
+    /// Wall-clock cap in milliseconds, 0 for none. Passing it stops the search early, so
+    /// plans made under a time cap may differ between runs; use `work_budget` for
+    /// reproducible ones.
+    pub time_limit_ms: u64,
+}
+
+/// What `tensoralloc_plan_offsets_ex` found besides the offsets.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct tensoralloc_plan_result {
+    /// Bytes the arena needs: the largest offset + rounded size.
+    pub arena_size: u64,
+    /// The smallest arena any layout can have (most bytes live at once).
+    pub lower_bound: u64,
+    /// Work units the search spent (0 when none ran).
+    pub work: u64,
+    /// 1 when no layout has a smaller arena (the plan meets the lower bound, or the search
+    /// finished); 0 when the budget or time cap stopped it first.
+    pub proven_optimal: c_int,
+}
+
+/// `tensoralloc_plan_offsets` with a search budget, reporting whether the plan is proven
+/// optimal. `options` may be NULL (all defaults). On success writes `offsets[0..n]` and
+/// `*result` and returns `TENSORALLOC_OK`. Returns `TENSORALLOC_ERR_INVALID_ARGUMENT` with a
+/// last error, writing nothing, on the inputs `tensoralloc_plan_offsets` rejects, a NULL
+/// `result`. The arrays and structs stay the caller's.
+#[no_mangle]
+pub extern "C" fn tensoralloc_plan_offsets_ex(
+    n: usize,
+    sizes: *const u64,
+    first_use: *const u64,
+    last_use: *const u64,
+    alignment: u64,
+    algorithm: *const c_char,
+    options: *const tensoralloc_plan_options,
+    offsets: *mut u64,
+    result: *mut tensoralloc_plan_result,
+) -> tensoralloc_status {
+    ffi_boundary! {
+        let run = || -> Result<()> {
+            // SAFETY: the caller promises a readable struct when not NULL.
+            let options = unsafe { options.as_ref() }.copied().unwrap_or_default();
+            let plan_options = PlanOptions {
+                work_budget: (options.work_budget > 0).then_some(options.work_budget),
+                time_limit: (options.time_limit_ms > 0)
+                    .then(|| std::time::Duration::from_millis(options.time_limit_ms)),
+            };
+            // SAFETY: forwarded from the caller.
+            let (outcome, bound) = unsafe {
+                let outcome = plan_into(
+                    (n, sizes, first_use, last_use),
+                    alignment,
+                    algorithm,
+                    &plan_options,
+                    offsets,
+                    out_is_set(result, "result"),
+                )?;
+                (outcome, lower_bound(&allocations(n, sizes, first_use, last_use)?, alignment)?)
+            };
+            // SAFETY: non-NULL, and the caller promises a writable struct.
+            unsafe {
+                result.write(tensoralloc_plan_result {
+                    arena_size: outcome.plan.arena_size,
+                    lower_bound: bound,
+                    work: outcome.work,
+                    proven_optimal: c_int::from(outcome.proven_optimal),
+                })
+            };
             Ok(())
         };
         status(run())

@@ -11,16 +11,18 @@
 //!   time share a storage group; one buffer per iteration sized by what each group held);
 //! - [`memory`]: where the planners' blobs and fallback allocations come from (host or device).
 
+use std::time::{Duration, Instant};
+
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 
+mod canonical;
 mod check;
 mod greedy;
 pub mod memory;
 mod offsets;
 pub mod profiling;
-mod search;
 pub mod storage;
 pub mod traces;
 
@@ -68,7 +70,8 @@ pub struct OffsetPlan {
 pub enum Algorithm {
     /// The smallest of the greedy orders below (all of them, stopping at the lower bound;
     /// fewer on inputs so dense that they would be slow) and, when none reaches the bound,
-    /// [`Algorithm::Pytorch`]; then, for up to 14 nonzero allocations, a short exact search.
+    /// [`Algorithm::Pytorch`]; then, still above the bound, greedy passes in perturbed size
+    /// orders and a canonical search (see `Exact`) within 1,000,000 (`DEFAULT_BEST_WORK`) work units.
     /// Never larger than `Pytorch` on any input.
     Best,
     /// PyTorch's profiling-allocator plan: allocations and frees in time order, best fit among
@@ -86,9 +89,12 @@ pub enum Algorithm {
     GreedyByLifetime,
     /// Allocation order (first use), each placed in the smallest gap among the live ones.
     GreedyByTime,
-    /// Every greedy order, then branch and bound over all layouts (inputs of up to 64
-    /// nonzero allocations) under a work budget of about a second: optimal when the search
-    /// finishes, never larger than `Best`.
+    /// Every greedy order, then a search over canonical layouts (each allocation at offset 0
+    /// or on top of one it is live with, placed in offset order; pruned by section capacity,
+    /// dominance and symmetry, split where time decomposes) for inputs of up to 4,096 nonzero
+    /// allocations, within 4,000,000,000 (`DEFAULT_EXACT_WORK`) work units unless
+    /// [`PlanOptions::work_budget`] says otherwise. [`plan_offsets_with`] says whether the
+    /// plan is proven optimal.
     Exact,
 }
 
@@ -154,15 +160,70 @@ pub fn plan_offsets(
     alignment: u64,
     algorithm: Algorithm,
 ) -> Result<OffsetPlan> {
+    Ok(plan_offsets_with(allocs, alignment, algorithm, &PlanOptions::default())?.plan)
+}
+
+/// Limits on the search of [`Algorithm::Best`] and [`Algorithm::Exact`] (the other algorithms
+/// do not search and ignore them).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PlanOptions {
+    /// Work units the search may spend (allocations scanned, sections checked, neighbours
+    /// updated; roughly 10^8 a second on one core). `None`: 1,000,000 (`DEFAULT_BEST_WORK`) for
+    /// `Best`, 4,000,000,000 (`DEFAULT_EXACT_WORK`) for `Exact`. The plan depends only on the input and
+    /// this budget, never on the machine.
+    pub work_budget: Option<u64>,
+    /// Wall-clock cap: the search stops early when it passes, so a plan under a time limit
+    /// may differ between runs; leave `None` for reproducible plans.
+    pub time_limit: Option<Duration>,
+}
+
+/// Work budget of the default algorithm's search when the greedy orders miss the lower
+/// bound (a few milliseconds).
+pub(crate) const DEFAULT_BEST_WORK: u64 = 1_000_000;
+/// Work budget of [`Algorithm::Exact`] when the caller gives none (about a minute at most).
+pub(crate) const DEFAULT_EXACT_WORK: u64 = 4_000_000_000;
+
+/// A plan and what is known about it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PlanOutcome {
+    /// The layout.
+    pub plan: OffsetPlan,
+    /// No layout of the input has a smaller arena (the plan meets the lower bound, or a
+    /// search finished).
+    pub proven_optimal: bool,
+    /// Work units the search spent (0 when none ran).
+    pub work: u64,
+}
+
+/// [`plan_offsets`] with a budget, saying whether the plan is proven optimal.
+pub fn plan_offsets_with(
+    allocs: &[Allocation],
+    alignment: u64,
+    algorithm: Algorithm,
+    options: &PlanOptions,
+) -> Result<PlanOutcome> {
     let problem = Problem::new(allocs, alignment)?;
-    let plan = match algorithm {
-        Algorithm::Best => problem.best(false),
-        Algorithm::Exact => problem.best(true),
-        Algorithm::Pytorch => problem.pytorch(),
-        greedy => problem.greedy(offsets::Order::of(greedy)),
+    let deadline = options
+        .time_limit
+        .and_then(|t| Instant::now().checked_add(t));
+    let outcome = match algorithm {
+        Algorithm::Best => problem.best(
+            false,
+            options.work_budget.unwrap_or(DEFAULT_BEST_WORK),
+            deadline,
+            alignment,
+        ),
+        Algorithm::Exact => problem.best(
+            true,
+            options.work_budget.unwrap_or(DEFAULT_EXACT_WORK),
+            deadline,
+            alignment,
+        ),
+        Algorithm::Pytorch => problem.known(problem.pytorch()),
+        greedy => problem.known(problem.greedy(offsets::Order::of(greedy))),
     };
-    debug_assert!(validate(allocs, &plan, alignment).is_ok());
-    Ok(plan)
+    debug_assert!(validate(allocs, &outcome.plan, alignment).is_ok());
+    Ok(outcome)
 }
 
 /// The checked input of a planner: sizes rounded up to the alignment, lifetimes verified.

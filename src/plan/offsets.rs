@@ -4,16 +4,17 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use super::greedy::Greedy;
-use super::{Algorithm, OffsetPlan, Problem};
+use std::time::Instant;
 
-/// Inputs with at most this many nonzero allocations get an exact search inside `Best`.
-const BEST_SEARCH_LIMIT: usize = 14;
-/// Search nodes the exact search may visit inside `Best` (about a millisecond). The budgets
-/// count work rather than time so that a plan does not depend on the machine's load.
-const BEST_SEARCH_NODES: u64 = 2_000;
-/// Search nodes the `Exact` algorithm may visit (about a second).
-const EXACT_SEARCH_NODES: u64 = 1_000_000;
+use super::canonical::Instance;
+use super::greedy::Greedy;
+use super::{Algorithm, OffsetPlan, PlanOutcome, Problem};
+
+/// Inputs with more nonzero allocations than this are left to the heuristics (the search
+/// recurses once per allocation placed, and its tables grow with the allocations live at once).
+pub(crate) const SEARCH_LIMIT: usize = 4096;
+/// Most greedy passes in perturbed orders before the search (half the budget at most).
+const PERTURBED_PASSES: u64 = 64;
 /// Work `Best` spends on greedy orders after the first, counted as pairs of allocations live
 /// together (plus allocations) per pass: dense inputs, where a layout's free gaps are many and
 /// a pass slower, get fewer extra orders and stay fast.
@@ -316,10 +317,27 @@ impl Problem {
         keys
     }
 
+    /// A plan from an algorithm that does not search: proven optimal when it meets the
+    /// lower bound.
+    pub(crate) fn known(&self, plan: OffsetPlan) -> PlanOutcome {
+        PlanOutcome {
+            proven_optimal: plan.arena_size == self.lower_bound(),
+            plan,
+            work: 0,
+        }
+    }
+
     /// The smallest plan among PyTorch's and the greedy orders (all of them unless the input is
-    /// so dense that they would be slow; stopping early at the lower bound); for small inputs,
-    /// then an exact search (with `exhaustive`, every order and a longer search).
-    pub(crate) fn best(&self, exhaustive: bool) -> OffsetPlan {
+    /// so dense that they would be slow; stopping early at the lower bound; every one with
+    /// `exhaustive`), then, when none meets the lower bound, a canonical search within `work`
+    /// units (inputs of up to [`SEARCH_LIMIT`] nonzero allocations).
+    pub(crate) fn best(
+        &self,
+        exhaustive: bool,
+        work: u64,
+        deadline: Option<Instant>,
+        alignment: u64,
+    ) -> PlanOutcome {
         let nonzero = self.nonzero();
         let mut greedy = Greedy::new(self);
         let bound = greedy.lower_bound();
@@ -331,7 +349,7 @@ impl Problem {
         if pass_work > BEST_GREEDY_WORK {
             let plan = self.pytorch();
             if plan.arena_size == bound {
-                return plan;
+                return self.known(plan);
             }
             pytorch = Some(plan);
         }
@@ -357,20 +375,57 @@ impl Problem {
                 best = pytorch;
             }
         }
-        let nodes = if exhaustive {
-            Some(EXACT_SEARCH_NODES)
-        } else if nonzero.len() <= BEST_SEARCH_LIMIT {
-            Some(BEST_SEARCH_NODES)
-        } else {
-            None
-        };
-        if let Some(nodes) = nodes {
-            if best.arena_size > bound {
-                best = self.branch_and_bound(&Conflicts::of(self), best, bound, nodes);
+        if best.arena_size == bound || work == 0 {
+            return self.known(best);
+        }
+        // Perturbed size orders: cheap, and often closer than any fixed order.
+        let mut spent = 0u64;
+        let mut rng = 0x2545_F491_4F6C_DD1Du64;
+        let pass_cost = pass_work as u64;
+        let greedy_work = (work / 2).min(PERTURBED_PASSES * pass_cost);
+        while best.arena_size > bound && spent + pass_cost <= greedy_work {
+            spent += pass_cost;
+            let mut keyed: Vec<(u64, u32)> = nonzero
+                .iter()
+                .map(|&i| {
+                    rng = splitmix(rng);
+                    // Size scaled by a factor in [1/2, 1).
+                    let noise = (rng >> 33) | (1 << 31);
+                    let size = self.sizes[i as usize];
+                    let key = ((u128::from(size) * u128::from(noise)) >> 32) as u64;
+                    (!key, i)
+                })
+                .collect();
+            keyed.sort_unstable();
+            let sequence: Vec<u32> = keyed.into_iter().map(|(_, i)| i).collect();
+            let plan = greedy.pass(self, &sequence);
+            if plan.arena_size < best.arena_size {
+                best = plan;
             }
         }
-        best
+        if best.arena_size == bound || nonzero.len() > SEARCH_LIMIT {
+            return PlanOutcome {
+                proven_optimal: best.arena_size == bound,
+                plan: best,
+                work: spent,
+            };
+        }
+        let inst = Instance::of(self);
+        let searched = self.canonical_search(&inst, best, bound, alignment, work - spent, deadline);
+        PlanOutcome {
+            plan: searched.plan,
+            proven_optimal: searched.proven,
+            work: spent + searched.work,
+        }
     }
+}
+
+/// The next state of a splitmix64 generator (a fixed sequence: plans stay deterministic).
+fn splitmix(state: u64) -> u64 {
+    let mut z = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
 }
 
 /// Range-maximum queries over a fixed array, answering with the value and its first index.

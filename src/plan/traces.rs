@@ -214,3 +214,31 @@ pub fn transformer_inference(
     }
     t.allocs
 }
+
+/// Reads a planning instance in MiniMalloc's CSV format (a header line, then `id,lower,upper,
+/// size` rows with half-open lifetimes `[lower, upper)`) as allocations with inclusive last
+/// uses `upper - 1`. Fails, naming the line, on a row that is not four integers or whose
+/// lifetime is empty.
+pub fn minimalloc_csv(text: &str) -> crate::error::Result<Vec<Allocation>> {
+    use crate::error::Error;
+    text.lines()
+        .enumerate()
+        .skip(1)
+        .filter(|(_, line)| !line.trim().is_empty())
+        .map(|(k, line)| {
+            let bad = |why: &str| Error::InvalidArgument(format!("line {}: {why}: {line}", k + 1));
+            let v: Vec<u64> = line
+                .split(',')
+                .map(|x| x.trim().parse())
+                .collect::<Result<_, _>>()
+                .map_err(|_| bad("not four unsigned integers"))?;
+            let [_, lower, upper, size] = v[..] else {
+                return Err(bad("not four unsigned integers"));
+            };
+            if upper <= lower {
+                return Err(bad("empty lifetime"));
+            }
+            Ok(Allocation::new(size, lower, upper - 1))
+        })
+        .collect()
+}

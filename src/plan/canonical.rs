@@ -1,0 +1,603 @@
+//! Exact offset planning: a depth-first search over canonical layouts, after the ideas of
+//! MiniMalloc (Moffitt, ASPLOS'23), answering "does a layout fit in `capacity` bytes?".
+//!
+//! Any layout can be pushed down until every allocation rests at offset 0 or on the end of an
+//! allocation it is live with. Placing allocations in increasing (offset, rank) order, each at
+//! the lowest offset its already placed neighbours allow, reaches every such layout, so the
+//! search only branches on which allocation comes next. Time is cut into sections (one per
+//! distinct first use: the allocations live then); the search prunes a branch when
+//!
+//! - the unplaced bytes of a section, stacked on the section's floor, pass the capacity;
+//! - the next allocation would leave room below it where another unplaced one fits whole
+//!   (the layout with that one moved down is as good: dominance);
+//! - it breaks the canonical order (symmetric orders of the same layout).
+//!
+//! When no unplaced allocation spans the boundary between two sections, the two sides are
+//! solved apart (temporal decomposition). Work is counted (allocations scanned, sections
+//! checked, neighbours updated), never timed, so a budget gives the same answer on any
+//! machine; a deadline can only stop a search early.
+
+use std::time::Instant;
+
+use super::offsets::Conflicts;
+use super::{OffsetPlan, Problem};
+
+/// Static orders tried in turn (each by decreasing keys, then index), with a doubling budget:
+/// different inputs fall fastest to different ones.
+const PREORDERS: [[Key; 3]; 3] = [
+    [Key::Length, Key::Area, Key::Total],
+    [Key::Total, Key::Area, Key::Length],
+    [Key::Total, Key::Length, Key::Area],
+];
+
+#[derive(Clone, Copy)]
+enum Key {
+    /// Time steps the allocation is live.
+    Length,
+    /// Size × length.
+    Area,
+    /// The most bytes live in one of its sections.
+    Total,
+}
+
+const NONE: u64 = u64::MAX;
+
+/// The nonzero allocations of a problem as the search sees them.
+pub(crate) struct Instance {
+    /// Problem index of each local allocation.
+    ids: Vec<u32>,
+    size: Vec<u64>,
+    length: Vec<u64>,
+    /// Sections `lo[b]..hi[b]` are those the allocation is live in.
+    lo: Vec<u32>,
+    hi: Vec<u32>,
+    /// Allocations live together with `b`: `adj[adj_start[b]..adj_start[b + 1]]`.
+    adj_start: Vec<usize>,
+    adj: Vec<u32>,
+    /// Allocations live in section `s`: `members[members_start[s]..members_start[s + 1]]`.
+    members_start: Vec<usize>,
+    members: Vec<u32>,
+    /// Bytes live in each section.
+    total: Vec<u64>,
+    /// Allocations live in both section `s` and `s + 1`.
+    cuts: Vec<u32>,
+}
+
+impl Instance {
+    pub(crate) fn of(p: &Problem) -> Instance {
+        let conflicts = Conflicts::of(p);
+        let ids = conflicts.nonzero.clone();
+        let mut local = vec![u32::MAX; p.len()];
+        for (k, &i) in ids.iter().enumerate() {
+            local[i as usize] = k as u32;
+        }
+        let mut steps: Vec<u64> = ids.iter().map(|&i| p.first[i as usize]).collect();
+        steps.sort_unstable();
+        steps.dedup();
+        let sections = steps.len();
+        let (mut lo, mut hi) = (Vec::with_capacity(ids.len()), Vec::with_capacity(ids.len()));
+        let mut count = vec![0usize; sections + 1];
+        for &i in &ids {
+            let i = i as usize;
+            let l = steps.partition_point(|&t| t < p.first[i]);
+            let h = steps.partition_point(|&t| t <= p.last[i]);
+            lo.push(l as u32);
+            hi.push(h as u32);
+            for c in &mut count[l..h] {
+                *c += 1;
+            }
+        }
+        let mut members_start = vec![0usize; sections + 1];
+        for s in 0..sections {
+            members_start[s + 1] = members_start[s] + count[s];
+        }
+        let mut fill = members_start.clone();
+        let mut members = vec![0u32; members_start[sections]];
+        let mut total = vec![0u64; sections];
+        let mut cuts = vec![0u32; sections.saturating_sub(1)];
+        for b in 0..ids.len() {
+            let size = p.sizes[ids[b] as usize];
+            for s in lo[b] as usize..hi[b] as usize {
+                members[fill[s]] = b as u32;
+                fill[s] += 1;
+                total[s] += size;
+                if s + 1 < hi[b] as usize {
+                    cuts[s] += 1;
+                }
+            }
+        }
+        let mut adj_start = Vec::with_capacity(ids.len() + 1);
+        let mut adj = Vec::new();
+        adj_start.push(0);
+        for &i in &ids {
+            adj.extend(conflicts.of_alloc(i as usize).map(|j| local[j as usize]));
+            adj_start.push(adj.len());
+        }
+        Instance {
+            size: ids.iter().map(|&i| p.sizes[i as usize]).collect(),
+            length: ids
+                .iter()
+                .map(|&i| p.last[i as usize] - p.first[i as usize] + 1)
+                .collect(),
+            ids,
+            lo,
+            hi,
+            adj_start,
+            adj,
+            members_start,
+            members,
+            total,
+            cuts,
+        }
+    }
+
+    /// Nonzero allocations.
+    pub(crate) fn len(&self) -> usize {
+        self.ids.len()
+    }
+
+    /// Problem index of local allocation `b`.
+    pub(crate) fn id(&self, b: usize) -> usize {
+        self.ids[b] as usize
+    }
+
+    fn neighbours(&self, b: usize) -> &[u32] {
+        &self.adj[self.adj_start[b]..self.adj_start[b + 1]]
+    }
+
+    fn members(&self, s: usize) -> &[u32] {
+        &self.members[self.members_start[s]..self.members_start[s + 1]]
+    }
+}
+
+/// How a decision search ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Outcome {
+    /// A layout within the capacity: [`Decider::solution`].
+    Found,
+    /// Proven: no layout fits in the capacity.
+    Infeasible,
+    /// The work budget ran out or the deadline passed first.
+    Stopped,
+}
+
+/// Internal result of one (sub)search.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Step {
+    Found,
+    NotFound,
+    Stopped,
+}
+
+/// A set of allocations and the sections they live in, searched on its own.
+struct Partition {
+    buffers: Vec<u32>,
+    sections: (u32, u32),
+}
+
+/// Decision searches over one instance.
+pub(crate) struct Decider<'a> {
+    inst: &'a Instance,
+    capacity: u64,
+    offset: Vec<u64>,
+    min_offset: Vec<u64>,
+    floor: Vec<u64>,
+    total: Vec<u64>,
+    cuts: Vec<u32>,
+    solution: Vec<u64>,
+    /// Work left to the current heuristic's round and to the whole search.
+    round_left: u64,
+    work_left: u64,
+    deadline: Option<Instant>,
+    ticks: u32,
+    out_of_time: bool,
+    /// Sections whose floor may rise after a placement (marked with `stamp`).
+    mark: Vec<u32>,
+    stamp: u32,
+    affected: Vec<u32>,
+}
+
+impl<'a> Decider<'a> {
+    pub(crate) fn new(inst: &'a Instance, deadline: Option<Instant>) -> Decider<'a> {
+        let n = inst.len();
+        let sections = inst.total.len();
+        Decider {
+            inst,
+            capacity: 0,
+            offset: vec![NONE; n],
+            min_offset: vec![0; n],
+            floor: vec![0; sections],
+            total: inst.total.clone(),
+            cuts: inst.cuts.clone(),
+            solution: vec![0; n],
+            round_left: 0,
+            work_left: 0,
+            deadline,
+            ticks: 0,
+            out_of_time: false,
+            mark: vec![0; sections],
+            stamp: 0,
+            affected: Vec::new(),
+        }
+    }
+
+    /// Offsets of the last layout found, by local allocation.
+    pub(crate) fn solution(&self) -> &[u64] {
+        &self.solution
+    }
+
+    /// Looks for a layout within `capacity` bytes, spending at most `*work` units (the rest
+    /// is left in `*work`).
+    pub(crate) fn decide(&mut self, capacity: u64, work: &mut u64) -> Outcome {
+        self.capacity = capacity;
+        self.work_left = *work;
+        let n = self.inst.len() as u64;
+        if self.inst.size.iter().any(|&s| s > capacity) {
+            return Outcome::Infeasible;
+        }
+        let whole = Partition {
+            buffers: (0..n as u32).collect(),
+            sections: (0, self.inst.total.len() as u32),
+        };
+        // Round robin over the static orders with a doubling budget, as a portfolio: a
+        // complete search under any of them is a proof.
+        let mut limit = (16 * n).max(1024);
+        let outcome = 'rounds: loop {
+            for h in 0..PREORDERS.len() {
+                self.reset();
+                self.round_left = limit.min(self.work_left);
+                let before = self.round_left;
+                let step = self.split(&whole, h, None);
+                self.work_left -= before - self.round_left;
+                match step {
+                    Step::Found => break 'rounds Outcome::Found,
+                    Step::NotFound => break 'rounds Outcome::Infeasible,
+                    Step::Stopped if self.out_of_time || self.work_left == 0 => {
+                        break 'rounds Outcome::Stopped
+                    }
+                    Step::Stopped => {}
+                }
+            }
+            limit = limit.saturating_mul(2);
+        };
+        *work = self.work_left;
+        outcome
+    }
+
+    fn reset(&mut self) {
+        self.offset.iter_mut().for_each(|o| *o = NONE);
+        self.min_offset.iter_mut().for_each(|o| *o = 0);
+        self.floor.iter_mut().for_each(|f| *f = 0);
+        self.total.copy_from_slice(&self.inst.total);
+        self.cuts.copy_from_slice(&self.inst.cuts);
+    }
+
+    /// Spends `units` of work; false when the budget or the deadline is spent.
+    fn spend(&mut self, units: u64) -> bool {
+        if self.round_left < units {
+            self.round_left = 0;
+            return false;
+        }
+        self.round_left -= units;
+        self.ticks += 1;
+        if self.ticks >= 256 {
+            self.ticks = 0;
+            if self.deadline.is_some_and(|d| Instant::now() >= d) {
+                self.out_of_time = true;
+            }
+        }
+        !self.out_of_time
+    }
+
+    /// Solves `part`, split at the section boundaries no unplaced allocation crosses
+    /// (`placed`: the allocation just placed, whose crossings no longer count).
+    fn split(&mut self, part: &Partition, h: usize, placed: Option<usize>) -> Step {
+        let (first, end) = part.sections;
+        let mut cutpoints = vec![first];
+        match placed {
+            Some(b) => {
+                let (l, e) = (self.inst.lo[b] as usize, self.inst.hi[b] as usize);
+                for s in l..e - 1 {
+                    if self.cuts[s] == 0 {
+                        cutpoints.push(s as u32 + 1);
+                    }
+                }
+            }
+            None => {
+                for s in first..end.saturating_sub(1) {
+                    if self.cuts[s as usize] == 0 {
+                        cutpoints.push(s + 1);
+                    }
+                }
+            }
+        }
+        cutpoints.push(end);
+        for w in cutpoints.windows(2) {
+            let (l, e) = (w[0], w[1]);
+            let buffers: Vec<u32> = part
+                .buffers
+                .iter()
+                .copied()
+                .filter(|&b| {
+                    let b = b as usize;
+                    self.offset[b] == NONE && self.inst.lo[b] < e && l < self.inst.hi[b]
+                })
+                .collect();
+            if buffers.is_empty() {
+                continue;
+            }
+            let sub = Partition {
+                buffers,
+                sections: (l, e),
+            };
+            let step = self.solve(&sub, h);
+            if step != Step::Found {
+                return step;
+            }
+        }
+        Step::Found
+    }
+
+    /// Orders `part` by the static order `h`, then searches it.
+    fn solve(&mut self, part: &Partition, h: usize) -> Step {
+        let inst = self.inst;
+        let key = |b: usize, k: Key| -> u128 {
+            match k {
+                Key::Length => u128::from(inst.length[b]),
+                Key::Area => u128::from(inst.length[b]) * u128::from(inst.size[b]),
+                Key::Total => u128::from(
+                    (inst.lo[b]..inst.hi[b])
+                        .map(|s| self.total[s as usize])
+                        .max()
+                        .unwrap_or(0),
+                ),
+            }
+        };
+        let mut keyed: Vec<([u128; 3], u32)> = part
+            .buffers
+            .iter()
+            .map(|&b| {
+                let k = PREORDERS[h].map(|k| u128::MAX - key(b as usize, k));
+                (k, b)
+            })
+            .collect();
+        keyed.sort_unstable();
+        let preorder: Vec<u32> = keyed.into_iter().map(|(_, b)| b).collect();
+        let ordering: Vec<(u64, u32)> = (0..preorder.len() as u32).map(|r| (0, r)).collect();
+        self.search(part, &preorder, &ordering, 0, 0, h)
+    }
+
+    /// Places the next allocation of `part`: one of the unplaced ones at its lowest offset,
+    /// not before (`min_offset`, `min_rank`) in (offset, rank) order.
+    fn search(
+        &mut self,
+        part: &Partition,
+        preorder: &[u32],
+        previous: &[(u64, u32)],
+        min_offset: u64,
+        min_rank: u32,
+        h: usize,
+    ) -> Step {
+        let units = (previous.len() + (part.sections.1 - part.sections.0) as usize) as u64;
+        if !self.spend(units) {
+            return Step::Stopped;
+        }
+        let mut ordering: Vec<(u64, u32)> = previous
+            .iter()
+            .filter(|&&(_, r)| self.offset[preorder[r as usize] as usize] == NONE)
+            .map(|&(_, r)| (self.min_offset[preorder[r as usize] as usize], r))
+            .collect();
+        if ordering.is_empty() {
+            return Step::Found;
+        }
+        ordering.sort_unstable();
+        let min_height = ordering
+            .iter()
+            .map(|&(o, r)| o + self.inst.size[preorder[r as usize] as usize])
+            .min()
+            .expect("not empty");
+        for k in 0..ordering.len() {
+            let (offset, rank) = ordering[k];
+            if (offset, rank) < (min_offset, min_rank) {
+                continue;
+            }
+            // Something unplaced fits whole below: leaving that room empty is dominated.
+            if offset >= min_height {
+                break;
+            }
+            let b = preorder[rank as usize] as usize;
+            let step = self.place(part, preorder, &ordering, b, offset, rank, h);
+            if step != Step::NotFound {
+                return step;
+            }
+        }
+        Step::NotFound
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn place(
+        &mut self,
+        part: &Partition,
+        preorder: &[u32],
+        ordering: &[(u64, u32)],
+        b: usize,
+        offset: u64,
+        rank: u32,
+        h: usize,
+    ) -> Step {
+        let inst = self.inst;
+        let size = inst.size[b];
+        let height = offset + size;
+        self.offset[b] = offset;
+        self.solution[b] = offset;
+        // Neighbours now rest at least on this allocation.
+        self.stamp = self.stamp.wrapping_add(1);
+        if self.stamp == 0 {
+            self.mark.iter_mut().for_each(|m| *m = 0);
+            self.stamp = 1;
+        }
+        self.affected.clear();
+        let mut raised: Vec<(u32, u64)> = Vec::new();
+        for &o in inst.neighbours(b) {
+            let o = o as usize;
+            if self.offset[o] == NONE && self.min_offset[o] < height {
+                raised.push((o as u32, self.min_offset[o]));
+                self.min_offset[o] = height;
+                for s in inst.lo[o]..inst.hi[o] {
+                    if self.mark[s as usize] != self.stamp {
+                        self.mark[s as usize] = self.stamp;
+                        self.affected.push(s);
+                    }
+                }
+            }
+        }
+        let mut floors: Vec<(u32, u64)> = Vec::new();
+        let (l, e) = (inst.lo[b] as usize, inst.hi[b] as usize);
+        for s in l..e {
+            floors.push((s as u32, self.floor[s]));
+            self.floor[s] = height;
+            self.total[s] -= size;
+        }
+        // A section's floor is at least the lowest place any of its unplaced allocations
+        // can still go.
+        let mut scanned = inst.neighbours(b).len() + (e - l);
+        let affected = std::mem::take(&mut self.affected);
+        for &s in &affected {
+            let s = s as usize;
+            let members = inst.members(s);
+            scanned += members.len();
+            let lowest = members
+                .iter()
+                .filter(|&&o| self.offset[o as usize] == NONE)
+                .map(|&o| self.min_offset[o as usize])
+                .min();
+            if let Some(lowest) = lowest {
+                if self.floor[s] < lowest {
+                    floors.push((s as u32, self.floor[s]));
+                    self.floor[s] = lowest;
+                }
+            }
+        }
+        self.affected = affected;
+        let mut step = Step::NotFound;
+        if !self.spend(scanned as u64) {
+            step = Step::Stopped;
+        } else if self.fits(part, offset) {
+            for s in l..e.saturating_sub(1) {
+                self.cuts[s] -= 1;
+            }
+            let splits = (l..e.saturating_sub(1)).any(|s| self.cuts[s] == 0);
+            step = if splits {
+                self.split(part, h, Some(b))
+            } else {
+                self.search(part, preorder, ordering, offset, rank, h)
+            };
+            for s in l..e.saturating_sub(1) {
+                self.cuts[s] += 1;
+            }
+        }
+        for &(s, f) in floors.iter().rev() {
+            self.floor[s as usize] = f;
+        }
+        for s in l..e {
+            self.total[s] += size;
+        }
+        for &(o, m) in raised.iter().rev() {
+            self.min_offset[o as usize] = m;
+        }
+        self.offset[b] = NONE;
+        step
+    }
+
+    /// Whether every section of `part` can still hold its unplaced bytes, all of which go at
+    /// or above `offset`.
+    fn fits(&self, part: &Partition, offset: u64) -> bool {
+        let (l, e) = (part.sections.0 as usize, part.sections.1 as usize);
+        self.floor[l..e]
+            .iter()
+            .zip(&self.total[l..e])
+            .all(|(&f, &t)| f.max(offset) + t <= self.capacity)
+    }
+}
+
+/// What an exact search ended with.
+pub(crate) struct Searched {
+    pub(crate) plan: OffsetPlan,
+    /// No layout is smaller than `plan`.
+    pub(crate) proven: bool,
+    /// Work units spent.
+    pub(crate) work: u64,
+}
+
+impl Problem {
+    /// Improves `incumbent` (a valid layout) by canonical search within `work` units (and
+    /// `deadline`): first a layout at the lower bound `bound`, then, if none exists, ever
+    /// smaller layouts below the incumbent. `proven` when the result is known optimal.
+    /// `incumbent` with the offsets of the search's `solution`.
+    fn plan_of(&self, inst: &Instance, incumbent: &OffsetPlan, solution: &[u64]) -> OffsetPlan {
+        let mut offsets = incumbent.offsets.clone();
+        let mut arena = 0;
+        for (b, &o) in solution.iter().enumerate() {
+            offsets[inst.id(b)] = o;
+            arena = arena.max(o + inst.size[b]);
+        }
+        OffsetPlan {
+            offsets,
+            arena_size: arena,
+        }
+    }
+
+    pub(crate) fn canonical_search(
+        &self,
+        inst: &Instance,
+        incumbent: OffsetPlan,
+        bound: u64,
+        alignment: u64,
+        work: u64,
+        deadline: Option<Instant>,
+    ) -> Searched {
+        let mut best = incumbent;
+        let mut left = work;
+        if best.arena_size <= bound {
+            return Searched {
+                plan: best,
+                proven: true,
+                work: 0,
+            };
+        }
+        let mut decider = Decider::new(inst, deadline);
+        // The optimum lies in lo..=best: probe at lo (a layout there is optimal; none raises
+        // lo) and just below the incumbent (a layout there improves it), doubling the work
+        // of each probe, until the two meet or the budget is spent.
+        let mut lo = bound;
+        let mut slice = (64 * inst.len() as u64).max(4096);
+        let proven = loop {
+            if lo >= best.arena_size {
+                break true;
+            }
+            if left == 0 || decider.out_of_time {
+                break false;
+            }
+            for capacity in [lo, best.arena_size - alignment] {
+                if capacity < lo || lo >= best.arena_size {
+                    continue;
+                }
+                let mut probe = slice.min(left);
+                let before = probe;
+                let outcome = decider.decide(capacity, &mut probe);
+                left -= before - probe;
+                match outcome {
+                    Outcome::Found => best = self.plan_of(inst, &best, decider.solution()),
+                    Outcome::Infeasible => lo = capacity + alignment,
+                    Outcome::Stopped => {}
+                }
+            }
+            slice = slice.saturating_mul(2);
+        };
+        Searched {
+            plan: best,
+            proven,
+            work: work - left,
+        }
+    }
+}
