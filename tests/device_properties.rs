@@ -6,7 +6,7 @@ use std::sync::Arc;
 use proptest::prelude::*;
 use tensoralloc::config::Config;
 use tensoralloc::device::size::round_size;
-use tensoralloc::device::stats::DeviceStats;
+use tensoralloc::device::stats::{DeviceStats, Stat};
 use tensoralloc::device::DeviceAllocator;
 use tensoralloc::driver::sim::{SimConfig, SimDriver};
 
@@ -128,27 +128,15 @@ fn turn() -> impl Strategy<Value = Turn> {
 }
 
 /// Statistics whose value moves one way within a single malloc or free, so their exact peak
-/// is the highest value seen between operations.
-fn monotone_currents(s: &DeviceStats) -> [i64; 12] {
-    let mut out = [0; 12];
-    for pool in 0..3 {
-        out[pool] = s.allocation[pool].current;
-        out[3 + pool] = s.allocated_bytes[pool].current;
-        out[6 + pool] = s.requested_bytes[pool].current;
-        out[9 + pool] = s.active_bytes[pool].current;
-    }
-    out
-}
-
-fn monotone_peaks(s: &DeviceStats) -> [i64; 12] {
-    let mut out = [0; 12];
-    for pool in 0..3 {
-        out[pool] = s.allocation[pool].peak;
-        out[3 + pool] = s.allocated_bytes[pool].peak;
-        out[6 + pool] = s.requested_bytes[pool].peak;
-        out[9 + pool] = s.active_bytes[pool].peak;
-    }
-    out
+/// is the highest value seen between operations; `field` picks current or peak.
+fn monotone(s: &DeviceStats, field: fn(&Stat) -> i64) -> [i64; 12] {
+    let arrays = [
+        &s.allocation,
+        &s.allocated_bytes,
+        &s.requested_bytes,
+        &s.active_bytes,
+    ];
+    std::array::from_fn(|i| field(&arrays[i / 3][i % 3]))
 }
 
 proptest! {
@@ -166,17 +154,17 @@ proptest! {
         let mut high = [0i64; 12];
         let check = |a: &DeviceAllocator, high: &mut [i64; 12]| -> Result<(), TestCaseError> {
             let s = a.stats();
-            let current = monotone_currents(&s);
+            let current = monotone(&s, |s| s.current);
             for (h, c) in high.iter_mut().zip(current) {
                 *h = (*h).max(c);
             }
-            prop_assert_eq!(monotone_peaks(&s), *high);
+            prop_assert_eq!(monotone(&s, |s| s.peak), *high);
             Ok(())
         };
         for t in turns {
             if t.reset_peaks {
                 a.reset_peak_stats();
-                high = monotone_currents(&a.stats());
+                high = monotone(&a.stats(), |s| s.current);
             }
             for pick in t.frees {
                 if !live.is_empty() {
