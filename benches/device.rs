@@ -3,6 +3,8 @@
 //! - `cached_pair/<size>`: one malloc+free that is served from the cache, on one stream;
 //! - `churn/mixed`: a mixed workload of sizes and lifetimes on one stream;
 //! - `threads/N`: N threads, each on its own stream, doing cached pairs (throughput scaling);
+//! - `stream_turns/4x16`: one thread whose four streams take turns: each allocates 16 blocks
+//!   and frees them before the next goes (headroom of device-wide peaks moves every turn);
 //! - `c_abi/cached_pair_4KiB`: the pair through the exported C functions.
 
 use std::hint::black_box;
@@ -119,6 +121,28 @@ fn threads(c: &mut Criterion) {
     g.finish();
 }
 
+/// Time per malloc or free when four streams of one thread take turns holding memory.
+fn stream_turns(c: &mut Criterion) {
+    let a = allocator();
+    let mut g = c.benchmark_group("stream_turns");
+    g.throughput(Throughput::Elements(4 * 16 * 2));
+    let mut ptrs = Vec::with_capacity(16);
+    g.bench_function("4x16", |b| {
+        b.iter(|| {
+            for s in 0..4 {
+                let stream = 0x1000 + s * 0x100;
+                for i in 0..16 {
+                    ptrs.push(a.malloc(black_box(512 << (i % 12)), stream).unwrap());
+                }
+                for p in ptrs.drain(..).rev() {
+                    a.free(p, Some(stream)).unwrap();
+                }
+            }
+        })
+    });
+    g.finish();
+}
+
 fn c_abi(c: &mut Criterion) {
     // SAFETY: setting the environment before any other thread of this benchmark reads it.
     unsafe { std::env::set_var("TENSORALLOC_DRIVER", "sim") };
@@ -138,6 +162,6 @@ fn c_abi(c: &mut Criterion) {
 criterion_group! {
     name = benches;
     config = Criterion::default().measurement_time(Duration::from_secs(3)).warm_up_time(Duration::from_secs(1));
-    targets = cached_pair, churn, threads, c_abi
+    targets = cached_pair, churn, threads, stream_turns, c_abi
 }
 criterion_main!(benches);

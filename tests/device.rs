@@ -676,6 +676,52 @@ fn many_threads_on_many_streams_never_overlap_and_leave_nothing() {
     assert_eq!(a.stats().reserved_bytes[AGG].current, 0);
 }
 
+/// Threads whose streams take turns (and whose overdrafts meet a busy settle lock) still end
+/// with exact device-wide peaks: once every thread holds a large block at the same time, the
+/// peak is exactly their sum, far above anything the churn before could reach.
+#[test]
+fn peaks_are_exact_after_threads_churn_on_alternating_streams() {
+    const THREADS: usize = 4;
+    const HOLD: usize = 8 * MIB;
+    let (_sim, a) = alloc(1 << 30);
+    let a = Arc::new(a);
+    let barrier = Arc::new(std::sync::Barrier::new(THREADS + 1));
+    let threads: Vec<_> = (0..THREADS)
+        .map(|t| {
+            let (a, barrier) = (a.clone(), barrier.clone());
+            std::thread::spawn(move || {
+                let streams = [0x7000 + 0x100 * t, 0x7080 + 0x100 * t];
+                let mut live = Vec::new();
+                for turn in 0..500 {
+                    let stream = streams[turn % 2];
+                    for i in 0..8 {
+                        live.push(a.malloc(512 << (i % 4), stream).unwrap());
+                    }
+                    for p in live.drain(..) {
+                        a.free(p, Some(stream)).unwrap();
+                    }
+                }
+                let held = a.malloc(HOLD, streams[t % 2]).unwrap();
+                barrier.wait();
+                barrier.wait();
+                a.free(held, Some(streams[t % 2])).unwrap();
+            })
+        })
+        .collect();
+    barrier.wait();
+    let s = a.stats();
+    assert_eq!(s.allocated_bytes[AGG].peak, (THREADS * HOLD) as i64);
+    assert_eq!(s.requested_bytes[AGG].peak, (THREADS * HOLD) as i64);
+    assert_eq!(s.active_bytes[LARGE].peak, (THREADS * HOLD) as i64);
+    barrier.wait();
+    for t in threads {
+        t.join().unwrap();
+    }
+    let s = a.stats();
+    assert_eq!(s.allocated_bytes[AGG].current, 0);
+    assert_eq!(s.allocated_bytes[AGG].peak, (THREADS * HOLD) as i64);
+}
+
 #[test]
 fn the_simulated_driver_reports_out_of_memory_past_capacity() {
     let sim = SimDriver::new(SimConfig {

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use proptest::prelude::*;
 use tensoralloc::config::Config;
 use tensoralloc::device::size::round_size;
+use tensoralloc::device::stats::{DeviceStats, Stat};
 use tensoralloc::device::DeviceAllocator;
 use tensoralloc::driver::sim::{SimConfig, SimDriver};
 
@@ -90,5 +91,99 @@ proptest! {
         prop_assert_eq!(s.inactive_split[0].current, 0);
         prop_assert_eq!(s.reserved_bytes[0].current, 0);
         prop_assert_eq!(sim.used(0), 0);
+    }
+}
+
+/// One turn of a stream: free some of what is live (on any stream), allocate a batch, free
+/// all but `keep` of the batch.
+#[derive(Debug, Clone)]
+struct Turn {
+    stream: usize,
+    frees: Vec<usize>,
+    sizes: Vec<usize>,
+    keep: usize,
+    reset_peaks: bool,
+}
+
+fn turn() -> impl Strategy<Value = Turn> {
+    let size = prop_oneof![
+        1usize..4096,
+        4096usize..(2 << 20),
+        (2usize << 20)..(24 << 20)
+    ];
+    (
+        0usize..4,
+        proptest::collection::vec(any::<usize>(), 0..3),
+        proptest::collection::vec(size, 1..12),
+        0usize..3,
+        proptest::bool::weighted(0.05),
+    )
+        .prop_map(|(stream, frees, sizes, keep, reset_peaks)| Turn {
+            stream,
+            frees,
+            sizes,
+            keep,
+            reset_peaks,
+        })
+}
+
+/// Statistics whose value moves one way within a single malloc or free, so their exact peak
+/// is the highest value seen between operations; `field` picks current or peak.
+fn monotone(s: &DeviceStats, field: fn(&Stat) -> i64) -> [i64; 12] {
+    let arrays = [
+        &s.allocation,
+        &s.allocated_bytes,
+        &s.requested_bytes,
+        &s.active_bytes,
+    ];
+    std::array::from_fn(|i| field(&arrays[i / 3][i % 3]))
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    /// Streams that take turns holding memory (one thread, PyTorch's producer/consumer
+    /// pattern) move headroom between shards on every turn; device-wide peaks stay the exact
+    /// highest totals after every operation.
+    #[test]
+    fn peaks_stay_exact_when_streams_take_turns(turns in proptest::collection::vec(turn(), 1..60)) {
+        let sim = Arc::new(SimDriver::new(SimConfig { devices: 1, capacity: 1 << 30, backed: false }).unwrap());
+        let a = DeviceAllocator::new(sim, 0, &Config::default()).unwrap();
+        let streams = [0x10usize, 0x20, 0x30, 0x40];
+        let mut live: Vec<(usize, usize)> = Vec::new(); // (ptr, stream)
+        let mut high = [0i64; 12];
+        let check = |a: &DeviceAllocator, high: &mut [i64; 12]| -> Result<(), TestCaseError> {
+            let s = a.stats();
+            let current = monotone(&s, |s| s.current);
+            for (h, c) in high.iter_mut().zip(current) {
+                *h = (*h).max(c);
+            }
+            prop_assert_eq!(monotone(&s, |s| s.peak), *high);
+            Ok(())
+        };
+        for t in turns {
+            if t.reset_peaks {
+                a.reset_peak_stats();
+                high = monotone(&a.stats(), |s| s.current);
+            }
+            for pick in t.frees {
+                if !live.is_empty() {
+                    let (p, s) = live.swap_remove(pick % live.len());
+                    a.free(p, Some(s)).unwrap();
+                    check(&a, &mut high)?;
+                }
+            }
+            let stream = streams[t.stream];
+            let mut batch = Vec::new();
+            for size in t.sizes {
+                batch.push(a.malloc(size, stream).unwrap());
+                check(&a, &mut high)?;
+            }
+            for p in batch.drain(t.keep.min(batch.len())..).rev() {
+                a.free(p, Some(stream)).unwrap();
+                check(&a, &mut high)?;
+            }
+            live.extend(batch.into_iter().map(|p| (p, stream)));
+        }
     }
 }

@@ -96,6 +96,47 @@ impl StatSink for Sink<'_> {
     }
 }
 
+/// Holds the locks of every shard but one (whose lock the caller holds) without allocating.
+struct LockedShards<'a> {
+    alloc: &'a DeviceAllocator,
+    home: &'a Shard,
+    /// Shards made after locking start at zero with no overdraft; they are left out.
+    count: usize,
+}
+
+impl<'a> LockedShards<'a> {
+    fn lock(alloc: &'a DeviceAllocator, home: &'a Shard) -> Self {
+        let all = LockedShards {
+            alloc,
+            home,
+            count: alloc.shards.iter().count(),
+        };
+        for shard in all.others() {
+            std::mem::forget(shard.inner.lock());
+        }
+        all
+    }
+
+    /// Every locked shard and the caller's.
+    fn shards(&self) -> impl Iterator<Item = &'a Shard> {
+        self.alloc.shards.iter().take(self.count)
+    }
+
+    fn others(&self) -> impl Iterator<Item = &'a Shard> {
+        let home = self.home;
+        self.shards().filter(move |s| !std::ptr::eq(*s, home))
+    }
+}
+
+impl Drop for LockedShards<'_> {
+    fn drop(&mut self) {
+        for shard in self.others() {
+            // SAFETY: `lock` locked this shard and forgot the guard; this is its only unlock.
+            unsafe { shard.inner.force_unlock() };
+        }
+    }
+}
+
 static WARNED_INVALID_FREE: AtomicBool = AtomicBool::new(false);
 
 impl DeviceAllocator {
@@ -152,21 +193,54 @@ impl DeviceAllocator {
     }
 
     /// Settles statistics of `home` (whose lock the caller holds) that passed their limits,
-    /// unless another thread is settling: that thread then settles them too.
+    /// unless another thread is settling: that thread then settles them too. Allocates
+    /// nothing; see [`stats`] for the two ways of settling.
     #[cold]
     #[inline(never)]
     fn settle_peaks(&self, home: &Shard) {
-        let Some(_settle) = self.counters.settle.try_lock() else {
-            return;
-        };
-        let shards: Vec<&Shard> = self.shards.iter().collect();
-        let _guards: Vec<_> = shards
-            .iter()
-            .filter(|s| !std::ptr::eq(**s, home))
-            .map(|s| s.inner.lock())
-            .collect();
-        let stats: Vec<&ShardStats> = shards.iter().map(|s| &s.stats).collect();
-        stats::settle(&self.counters, &stats);
+        loop {
+            let Some(settle) = self.counters.settle.try_lock() else {
+                return;
+            };
+            if !self.settle_from_donors(home) {
+                self.settle_all(home);
+            }
+            drop(settle);
+            stats::after_settle_unlock();
+            if !self.shards.iter().any(|s| s.stats.is_over()) {
+                return;
+            }
+        }
+    }
+
+    /// Covers `home`'s overdrafts with other shards' unused headroom, locking one donor at a
+    /// time and skipping donors whose lock is busy. Returns false when that was not enough,
+    /// or another shard has an overdraft waiting, so that every shard must be settled. The
+    /// caller holds the settle lock and `home`'s lock.
+    fn settle_from_donors(&self, home: &Shard) -> bool {
+        home.stats.raise_top();
+        for donor in self.shards.iter() {
+            if std::ptr::eq(donor, home) {
+                continue;
+            }
+            let Some(_donor) = donor.inner.try_lock() else {
+                continue;
+            };
+            if donor.stats.is_over() {
+                return false;
+            }
+            if !home.stats.take_spare(&donor.stats) {
+                break;
+            }
+        }
+        !home.stats.is_over() && !self.shards.iter().any(|s| s.stats.is_over())
+    }
+
+    /// Settles every shard under every shard's lock. The caller holds the settle lock and
+    /// `home`'s lock.
+    fn settle_all(&self, home: &Shard) {
+        let all = LockedShards::lock(self, home);
+        stats::settle(&self.counters, || all.shards().map(|s| &s.stats));
     }
 
     fn total_current(&self, index: usize) -> i64 {

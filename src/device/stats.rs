@@ -7,17 +7,28 @@
 //! Device-wide peaks stay exact with reservations: every shard has a limit per statistic,
 //! the limits add up to the device peak, and a shard's counter may rise up to its limit
 //! without looking anywhere else (the sum then cannot pass the peak). Only a counter that
-//! would pass its limit is settled ([`settle`]): under the device's settle lock and every
-//! shard's lock, the shard takes the unused headroom of other shards, and the peak rises by
-//! what is still missing. The peak rises only when every other shard is at its limit, so it
-//! is the exact total. Taking only what is missing leaves other shards' headroom alone, so
-//! streams that each hold steady stop settling after their first rounds.
+//! would pass its limit is settled, under the device's settle lock, in one of two ways:
+//!
+//! - [`ShardStats::take_spare`]: the shard takes unused headroom from other shards, one donor
+//!   at a time under that donor's lock (tried, never waited for). Peaks do not change. The
+//!   shard takes up to the most it needed at any earlier settle ([`ShardStats`]' `top`), so
+//!   streams that take turns holding memory (a producer and a consumer stream on one thread)
+//!   settle once per turn rather than once per allocation.
+//! - [`settle`], when donors cannot cover it (or another shard's overdraft is waiting): under
+//!   every shard's lock the shard takes only what is missing from the others' headroom, and
+//!   the peak rises by what is still missing. The peak rises only when every other shard is
+//!   at its limit, so it is the exact total.
+//!
+//! A shard's limit never passes what it needed at some settle, so streams that each hold
+//! steady stop settling after their first rounds.
 //!
 //! Lock order: the settle lock, then shard locks. A thread that holds a shard lock only
 //! *tries* the settle lock; when another thread holds it, the overdraft is left marked on the
-//! shard and that thread settles it once it has every shard's lock.
+//! shard, and the holder looks for marked overdrafts once more after releasing the settle
+//! lock (a sequentially consistent fence on both sides makes sure one of the two sees the
+//! other) and settles them.
 
-use std::sync::atomic::{AtomicI64, AtomicU32, Ordering::Relaxed};
+use std::sync::atomic::{fence, AtomicI64, AtomicU32, Ordering::Relaxed, Ordering::SeqCst};
 
 use parking_lot::Mutex;
 
@@ -165,6 +176,9 @@ pub(crate) struct ShardStats {
     over: AtomicU32,
     /// Highest value of each unsettled statistic since it passed its limit.
     high: [AtomicI64; TRACKED],
+    /// Highest need of each statistic at a settle of this shard since peaks were reset: the
+    /// headroom it takes from donors when it settles.
+    top: [AtomicI64; TRACKED],
 }
 
 impl Default for ShardStats {
@@ -173,6 +187,7 @@ impl Default for ShardStats {
             cells: std::array::from_fn(|_| Cell::default()),
             over: AtomicU32::new(0),
             high: std::array::from_fn(|_| AtomicI64::new(0)),
+            top: std::array::from_fn(|_| AtomicI64::new(0)),
         }
     }
 }
@@ -205,6 +220,59 @@ impl ShardStats {
             high.store(current, Relaxed);
         }
         self.over.store(self.over.load(Relaxed) | bit, Relaxed);
+        // Pairs with the fence after the settle lock is released (module documentation).
+        fence(SeqCst);
+    }
+
+    /// Whether some statistic passed its limit and is not settled yet.
+    pub fn is_over(&self) -> bool {
+        self.over.load(Relaxed) != 0
+    }
+
+    /// Records the current needs in `top`, before this shard settles. The caller holds the
+    /// settle lock and the shard's lock.
+    pub fn raise_top(&self) {
+        for i in 0..TRACKED {
+            let need = self.need(i);
+            if need > self.top[i].load(Relaxed) {
+                self.top[i].store(need, Relaxed);
+            }
+        }
+    }
+
+    /// Moves unused headroom of `donor` to this shard, for every statistic below its `top`
+    /// (or its need), and clears the overdrafts that are then covered. Peaks do not change.
+    /// The caller holds the settle lock and both shards' locks, and `donor` has no overdraft.
+    /// Returns true when this shard still wants headroom for some statistic.
+    pub fn take_spare(&self, donor: &ShardStats) -> bool {
+        debug_assert!(!donor.is_over());
+        let mut wanting = false;
+        for i in 0..TRACKED {
+            let limit = &self.cells[i].limit;
+            let short = self.top[i].load(Relaxed).max(self.need(i)) - limit.load(Relaxed);
+            if short <= 0 {
+                continue;
+            }
+            let theirs = &donor.cells[i].limit;
+            let spare = theirs.load(Relaxed) - donor.cells[i].current.load(Relaxed);
+            let take = spare.min(short);
+            if take > 0 {
+                theirs.store(theirs.load(Relaxed) - take, Relaxed);
+                limit.store(limit.load(Relaxed) + take, Relaxed);
+            }
+            wanting |= take < short;
+        }
+        let mut over = self.over.load(Relaxed);
+        let mut left = over;
+        while left != 0 {
+            let i = left.trailing_zeros() as usize;
+            left &= left - 1;
+            if self.need(i) <= self.cells[i].limit.load(Relaxed) {
+                over &= !(1 << i);
+            }
+        }
+        self.over.store(over, Relaxed);
+        wanting
     }
 
     /// What statistic `index` needs as its limit: its current value, or its highest value
@@ -219,10 +287,18 @@ impl ShardStats {
     }
 }
 
-/// Settles every shard's overdrafts. The caller holds the settle lock and every shard's lock.
-pub(crate) fn settle(counters: &DeviceCounters, shards: &[&ShardStats]) {
-    for (s, shard) in shards.iter().enumerate() {
+/// Settles every shard's overdrafts. The caller holds the settle lock and every shard's lock;
+/// `shards()` yields every shard.
+pub(crate) fn settle<'a, I>(counters: &DeviceCounters, shards: impl Fn() -> I)
+where
+    I: Iterator<Item = &'a ShardStats>,
+{
+    for shard in shards() {
         let mut over = shard.over.load(Relaxed);
+        if over == 0 {
+            continue;
+        }
+        shard.raise_top();
         while over != 0 {
             let i = over.trailing_zeros() as usize;
             over &= over - 1;
@@ -231,13 +307,13 @@ pub(crate) fn settle(counters: &DeviceCounters, shards: &[&ShardStats]) {
                 continue;
             }
             let mut missing = deficit;
-            for (t, other) in shards.iter().enumerate() {
+            for other in shards() {
                 if missing == 0 {
                     break;
                 }
                 let limit = &other.cells[i].limit;
                 let spare = limit.load(Relaxed) - other.need(i);
-                if t != s && spare > 0 {
+                if !std::ptr::eq(other, shard) && spare > 0 {
                     let take = spare.min(missing);
                     limit.store(limit.load(Relaxed) - take, Relaxed);
                     missing -= take;
@@ -251,6 +327,12 @@ pub(crate) fn settle(counters: &DeviceCounters, shards: &[&ShardStats]) {
     }
 }
 
+/// Called after the settle lock is released: pairs with the fence of a thread that marked
+/// an overdraft and then failed to take the settle lock (module documentation).
+pub(crate) fn after_settle_unlock() {
+    fence(SeqCst);
+}
+
 /// Sets every limit to its statistic's current value and each peak to the current total.
 /// The caller holds the settle lock and every shard's lock.
 pub(crate) fn reset_peaks(counters: &DeviceCounters, shards: &[&ShardStats]) {
@@ -259,6 +341,7 @@ pub(crate) fn reset_peaks(counters: &DeviceCounters, shards: &[&ShardStats]) {
         for s in shards {
             let cur = s.cells[i].current.load(Relaxed);
             s.cells[i].limit.store(cur, Relaxed);
+            s.top[i].store(cur, Relaxed);
             total += cur;
         }
         counters.peak[i].store(total, Relaxed);
