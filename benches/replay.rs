@@ -1,6 +1,6 @@
 //! Replay and memory-history benchmarks.
 //!
-//! First a table: every snapshot in `../shared/traces/` replayed under `default`,
+//! First a table: every snapshot in `tests/data/traces/` replayed under `default`,
 //! `expandable_segments:True` and `policy:compact` (settings the parser rejects are shown as
 //! unsupported): peak allocated, peak reserved, their ratio and the best ns per event of three
 //! replays. Then criterion:
@@ -24,7 +24,7 @@ use tensoralloc::replay::{self, snapshot, UNLIMITED_MEMORY};
 const CONFIGS: [&str; 3] = ["default", "expandable_segments:True", "policy:compact"];
 
 fn table() {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/traces");
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/traces");
     let Ok(entries) = std::fs::read_dir(&dir) else {
         println!("no traces in {}", dir.display());
         return;

@@ -7,7 +7,7 @@ use std::process::{Command, Output};
 
 fn trace(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../shared/traces")
+        .join("tests/data/traces")
         .join(name)
 }
 

@@ -13,7 +13,7 @@ const COMPACT: &str = "policy:compact";
 
 fn load(name: &str) -> Trace {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../shared/traces")
+        .join("tests/data/traces")
         .join(name);
     snapshot::load(&path, 0).unwrap()
 }

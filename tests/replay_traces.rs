@@ -8,7 +8,7 @@ use tensoralloc::replay::{self, snapshot, UNLIMITED_MEMORY};
 
 fn trace_path(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../shared/traces")
+        .join("tests/data/traces")
         .join(name)
 }
 

@@ -8,7 +8,7 @@ use tensoralloc::replay::snapshot;
 fn shared_trace() -> Vec<u8> {
     std::fs::read(
         std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../shared/traces/h100_multistream.pickle.gz"),
+            .join("tests/data/traces/h100_multistream.pickle.gz"),
     )
     .unwrap()
 }
