@@ -8,6 +8,10 @@ use fakecuda::memops::*;
 use fakecuda::types::*;
 use fakecuda::*;
 
+/// The tests of this file run one at a time: one of them checks that a freed address is
+/// invalid, which a parallel test's allocation at the same address would make valid again.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// Makes device 0's primary context current on this thread and allocates `size` bytes.
 fn allocation(size: usize) -> CUdeviceptr {
     let mut ctx = null_mut();
@@ -24,6 +28,7 @@ fn allocation(size: usize) -> CUdeviceptr {
 
 #[test]
 fn memset_and_copies_round_trip_through_device_memory() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let p = allocation(4096);
     let mut stream = null_mut();
     let data: Vec<u8> = (0..=255).collect();
@@ -50,6 +55,7 @@ fn memset_and_copies_round_trip_through_device_memory() {
 
 #[test]
 fn ranges_outside_a_live_allocation_are_invalid_values() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let p = allocation(4096);
     let mut byte = 0u8;
     let host = (&mut byte as *mut u8).cast::<c_void>();
@@ -65,6 +71,7 @@ fn ranges_outside_a_live_allocation_are_invalid_values() {
 
 #[test]
 fn copies_need_a_current_context() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let p = allocation(64);
     std::thread::spawn(move || {
         let mut byte = 0u8;
