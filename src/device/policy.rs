@@ -15,9 +15,9 @@
 //!   some stream is about to grow, and only queried (never waited for).
 
 use super::expandable::{Layout, Reclaim, Report};
-use super::shard::ShardInner;
+use super::shard::{ShardInner, StatSink};
 use super::size::{PoolKind, LARGE_BUFFER, SMALL_BUFFER};
-use super::stats::{self, StatKind};
+use super::stats::{self, ShardStats, StatKind};
 use super::{DeviceAllocator, Shard};
 use crate::config::{Config, Policy};
 use crate::driver::Driver;
@@ -150,7 +150,7 @@ impl DeviceAllocator {
             // No event may be recorded or queried while a graph is captured.
             return;
         }
-        let mut got = self.reclaim_from(shard, inner, need, OWN_RECLAIM_MIN);
+        let mut got = self.reclaim_from(shard, inner, need, OWN_RECLAIM_MIN, false);
         for other in self.shards.iter() {
             if got >= need {
                 break;
@@ -159,8 +159,13 @@ impl DeviceAllocator {
                 continue;
             }
             if let Some(mut o) = other.inner.try_lock() {
-                got += self.reclaim_from(other, &mut o, need - got, 0);
+                got += self.reclaim_from(other, &mut o, need - got, 0, true);
             }
+        }
+        // Overdrafts the other streams' shards only marked are settled now that this thread
+        // holds one shard lock again.
+        if self.shards.iter().any(|s| s.stats.is_over()) {
+            self.settle_peaks(shard);
         }
     }
 
@@ -170,6 +175,7 @@ impl DeviceAllocator {
         inner: &mut ShardInner,
         goal: usize,
         min: usize,
+        beside_another: bool,
     ) -> usize {
         if inner.exp.segments.is_empty()
             || self.free_mapped(shard) < MIN_RECLAIM
@@ -178,16 +184,25 @@ impl DeviceAllocator {
             return 0;
         }
         self.refresh_idle(shard, inner);
-        match inner.unmap_free(
-            &*self.driver,
-            self.device,
-            Reclaim::Idle {
-                keep_tails: min > 0,
-                min,
-            },
-            goal,
-            &mut self.sink(shard),
-        ) {
+        let reclaim = Reclaim::Idle {
+            keep_tails: min > 0,
+            min,
+        };
+        let unmapped = if beside_another {
+            // The growing stream's lock is held too, and settling peaks now would lock every
+            // shard, that one included: overdrafts are only marked, and settled by the caller.
+            let mut marks = MarkOnly(&shard.stats);
+            inner.unmap_free(&*self.driver, self.device, reclaim, goal, &mut marks)
+        } else {
+            inner.unmap_free(
+                &*self.driver,
+                self.device,
+                reclaim,
+                goal,
+                &mut self.sink(shard),
+            )
+        };
+        match unmapped {
             Ok(report) => {
                 self.count(&report);
                 report.bytes
@@ -237,5 +252,15 @@ impl DeviceAllocator {
         } else {
             exp.batch = Some((event, upto));
         }
+    }
+}
+
+/// Records statistic changes of a shard without settling peaks: a statistic that passes its
+/// limit stays marked on the shard until the next settle.
+struct MarkOnly<'a>(&'a ShardStats);
+
+impl StatSink for MarkOnly<'_> {
+    fn change(&mut self, index: usize, delta: i64) {
+        self.0.change(index, delta);
     }
 }
