@@ -12,19 +12,9 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use tensoralloc::config::Config;
-use tensoralloc::device::DeviceAllocator;
-use tensoralloc::driver::sim::{SimConfig, SimDriver};
 
-fn allocator() -> DeviceAllocator {
-    let sim = SimDriver::new(SimConfig {
-        devices: 1,
-        capacity: 64 << 30,
-        backed: false,
-    })
-    .unwrap();
-    DeviceAllocator::new(Arc::new(sim), 0, &Config::default()).unwrap()
-}
+mod sim_allocator;
+use sim_allocator::allocator;
 
 fn cached_pair(c: &mut Criterion) {
     let mut g = c.benchmark_group("cached_pair");

@@ -12,13 +12,9 @@
 
 use std::hint::black_box;
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::Duration;
 
 use criterion::Criterion;
-use tensoralloc::config::Config;
-use tensoralloc::device::DeviceAllocator;
-use tensoralloc::driver::sim::{SimConfig, SimDriver};
 use tensoralloc::replay::{self, snapshot, UNLIMITED_MEMORY};
 
 const CONFIGS: [&str; 3] = ["default", "expandable_segments:True", "policy:compact"];
@@ -85,15 +81,8 @@ fn table() {
     }
 }
 
-fn allocator() -> DeviceAllocator {
-    let sim = SimDriver::new(SimConfig {
-        devices: 1,
-        capacity: 64 << 30,
-        backed: false,
-    })
-    .unwrap();
-    DeviceAllocator::new(Arc::new(sim), 0, &Config::default()).unwrap()
-}
+mod sim_allocator;
+use sim_allocator::allocator;
 
 fn history(c: &mut Criterion) {
     let mut g = c.benchmark_group("history");
