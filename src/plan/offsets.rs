@@ -411,7 +411,19 @@ impl Problem {
             };
         }
         let inst = Instance::of(self);
-        let searched = self.canonical_search(&inst, best, bound, alignment, work - spent, deadline);
+        // The default wants a small plan more than a proof: its probes for smaller layouts get
+        // twice the work of the probe at the lower bound. `Exact` gives them an eighth, so
+        // that proving the bound costs little more than probing it alone.
+        let improve_share = if exhaustive { (1, 8) } else { (2, 1) };
+        let searched = self.canonical_search(
+            &inst,
+            best,
+            bound,
+            alignment,
+            work - spent,
+            improve_share,
+            deadline,
+        );
         PlanOutcome {
             plan: searched.plan,
             proven_optimal: searched.proven,
