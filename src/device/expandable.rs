@@ -89,10 +89,9 @@ pub(crate) struct Report {
 pub(crate) enum Reclaim {
     /// Every free block (after the shard's outstanding events were waited for).
     All,
-    /// Free blocks whose frees are known idle and that hold at least `min` bytes; with
-    /// `keep_tails`, not those that end where address space is unmapped (where the shard
-    /// itself is about to grow).
-    Idle { keep_tails: bool, min: usize },
+    /// Free blocks whose frees are known idle, except block `keep` (where the shard is about
+    /// to grow; [`NONE`] for none).
+    Idle { keep: u32 },
 }
 
 impl ShardInner {
@@ -200,7 +199,7 @@ impl ShardInner {
 
     /// The lowest-addressed run of free and unmapped blocks of `pool` that holds `size` bytes
     /// and contains unmapped space; returns its first block.
-    fn find_space(&self, pool: PoolKind, size: usize) -> Option<u32> {
+    pub(super) fn find_space(&self, pool: PoolKind, size: usize) -> Option<u32> {
         let allocatable = |id: u32| {
             id != NONE
                 && matches!(
@@ -375,25 +374,17 @@ impl ShardInner {
             (b.addr, b.exp as usize, b.pool)
         };
         let page = self.exp.segments[exp].page;
-        let chunk = page.saturating_mul(layout.max_handle_pages.max(1));
-        let mut done = 0;
-        let mut made: Vec<(usize, usize, PhysHandle)> = Vec::new();
-        while done < want {
-            let len = chunk.min(want - done);
-            match driver.vmm_map(device, addr + done, len) {
-                Ok(h) => made.push((addr + done, len, h)),
-                Err(e) => {
-                    for (a, l, h) in made {
-                        let _ = driver.vmm_unmap(device, a, l, h);
-                    }
-                    return Err(e);
-                }
-            }
-            done += len;
-        }
+        let chunk = page
+            .saturating_mul(layout.max_handle_pages.max(1))
+            .min(want);
+        let mut made = Vec::with_capacity(want.div_ceil(chunk));
+        driver.vmm_map_many(device, addr, want, chunk, &mut made)?;
         let seg = &mut self.exp.segments[exp];
-        for (a, l, h) in made {
-            seg.handles.insert(a, (l, h));
+        let mut at = addr;
+        for h in made {
+            let len = chunk.min(addr + want - at);
+            seg.handles.insert(at, (len, h));
+            at += len;
         }
         if seg.mapped == 0 {
             stats.both(StatKind::Segment, pool, 1);
@@ -405,8 +396,8 @@ impl ShardInner {
         Ok(())
     }
 
-    /// Unmaps whole physical allocations inside free blocks of expandable segments until
-    /// `goal` bytes are unmapped. Returns what it did.
+    /// Unmaps whole physical allocations inside free blocks of expandable segments, smallest
+    /// block first, until `goal` bytes are unmapped. Returns what it did.
     pub fn unmap_free(
         &mut self,
         driver: &dyn Driver,
@@ -417,36 +408,31 @@ impl ShardInner {
     ) -> Result<Report> {
         let mut report = Report::default();
         // A block smaller than a page holds no whole physical allocation.
-        let smallest_page = self.exp.segments.iter().map(|s| s.page).min().unwrap_or(0);
-        let floor = match reclaim {
-            Reclaim::All => smallest_page,
-            Reclaim::Idle { min, .. } => min.max(smallest_page),
+        let Some(floor) = self.exp.segments.iter().map(|s| s.page).min() else {
+            return Ok(report);
         };
-        let candidates: Vec<u32> = self
-            .small_index()
-            .iter_from((floor, 0, 0))
-            .chain(self.large_index().iter_from((floor, 0, 0)))
-            .map(|(_, _, id)| id)
-            .filter(|&id| {
-                let b = &self.blocks[id as usize];
-                b.exp != NONE
+        for pool in [PoolKind::Small, PoolKind::Large] {
+            // Walks the index by key: unmapping a block only adds smaller ones (its ends).
+            let mut key = (floor, 0, 0);
+            while report.bytes < goal {
+                let index = match pool {
+                    PoolKind::Small => self.small_index(),
+                    PoolKind::Large => self.large_index(),
+                };
+                let Some(k) = index.first_at_least(key) else {
+                    break;
+                };
+                key = (k.0, k.1, k.2 + 1);
+                let b = &self.blocks[k.2 as usize];
+                let eligible = b.exp != NONE
                     && match reclaim {
                         Reclaim::All => true,
-                        Reclaim::Idle { keep_tails, min } => {
-                            b.freed_at <= self.exp.idle_upto
-                                && b.size >= min
-                                && !(keep_tails
-                                    && b.next != NONE
-                                    && self.blocks[b.next as usize].state == State::Unmapped)
-                        }
-                    }
-            })
-            .collect();
-        for id in candidates {
-            if report.bytes >= goal {
-                break;
+                        Reclaim::Idle { keep } => k.2 != keep && b.freed_at <= self.exp.idle_upto,
+                    };
+                if eligible {
+                    self.unmap_block(driver, device, k.2, stats, &mut report)?;
+                }
             }
-            self.unmap_block(driver, device, id, stats, &mut report)?;
         }
         Ok(report)
     }
@@ -476,9 +462,10 @@ impl ShardInner {
             return Ok(());
         };
         let hi = last + last_len;
-        for &(a, l, h) in &inside {
-            driver.vmm_unmap(device, a, l, h)?;
-            self.exp.segments[exp].handles.remove(&a);
+        driver.vmm_unmap_many(device, &inside)?;
+        let handles = &mut self.exp.segments[exp].handles;
+        for &(a, _, _) in &inside {
+            handles.remove(&a);
         }
         let bytes = hi - lo;
         self.remove_free(id);

@@ -323,8 +323,16 @@ impl SimDevice {
         Ok(())
     }
 
-    fn vmm_map(&self, addr: usize, size: usize) -> Result<PhysHandle> {
-        let (addr, size) = (addr as u64, size as u64);
+    /// Maps `[addr, addr + size)` as allocations of `handle` bytes each (the last one the
+    /// rest), under one lock; all or nothing.
+    fn vmm_map_many(
+        &self,
+        addr: usize,
+        size: usize,
+        handle: usize,
+        handles: &mut Vec<PhysHandle>,
+    ) -> Result<()> {
+        let (addr, size, handle) = (addr as u64, size as u64, handle as u64);
         let g = SIM_GRANULARITY as u64;
         let mut st = self.state.lock();
         let inside = st
@@ -333,7 +341,13 @@ impl SimDevice {
             .range(..=addr)
             .next_back()
             .is_some_and(|(&s, &l)| addr + size <= s + l);
-        if size == 0 || !addr.is_multiple_of(g) || !size.is_multiple_of(g) || !inside {
+        if size == 0
+            || handle == 0
+            || !addr.is_multiple_of(g)
+            || !size.is_multiple_of(g)
+            || !handle.is_multiple_of(g)
+            || !inside
+        {
             return Err(Error::Driver(format!(
                 "CUDA_ERROR_INVALID_VALUE: cannot map [{addr:#x}, +{size}): not a granularity-aligned part of a reserved range"
             )));
@@ -373,35 +387,45 @@ impl SimDevice {
             }
         }
         st.used += size;
-        st.vmm.next_handle += 1;
-        let handle = st.vmm.next_handle;
-        st.vmm.mapped.insert(handle, (addr, size));
-        st.vmm.by_addr.insert(addr, addr + size);
-        Ok(PhysHandle(handle))
+        let mut at = addr;
+        while at < addr + size {
+            let len = handle.min(addr + size - at);
+            st.vmm.next_handle += 1;
+            let h = st.vmm.next_handle;
+            st.vmm.mapped.insert(h, (at, len));
+            st.vmm.by_addr.insert(at, at + len);
+            handles.push(PhysHandle(h));
+            at += len;
+        }
+        Ok(())
     }
 
-    fn vmm_unmap(&self, addr: usize, size: usize, handle: PhysHandle) -> Result<()> {
-        let (addr, size) = (addr as u64, size as u64);
+    /// Unmaps each mapping of `maps` under one lock, stopping at the first that is not one.
+    fn vmm_unmap_many(&self, maps: &[(usize, usize, PhysHandle)]) -> Result<()> {
         let mut st = self.state.lock();
-        if st.vmm.mapped.get(&handle.0) != Some(&(addr, size)) {
-            return Err(Error::Driver(format!(
-                "CUDA_ERROR_INVALID_VALUE: [{addr:#x}, +{size}) is not mapped by handle {}",
-                handle.0
-            )));
-        }
-        st.vmm.mapped.remove(&handle.0);
-        st.vmm.by_addr.remove(&addr);
-        st.used -= size;
-        if self.backed {
-            // SAFETY: the range was mapped read-write by vmm_map inside our own reservation;
-            // dropping its pages and making it inaccessible again touches nothing else.
-            unsafe {
-                libc::madvise(
-                    addr as *mut libc::c_void,
-                    size as usize,
-                    libc::MADV_DONTNEED,
-                );
-                libc::mprotect(addr as *mut libc::c_void, size as usize, libc::PROT_NONE);
+        for &(addr, size, handle) in maps {
+            let (addr, size) = (addr as u64, size as u64);
+            if st.vmm.mapped.get(&handle.0) != Some(&(addr, size)) {
+                return Err(Error::Driver(format!(
+                    "CUDA_ERROR_INVALID_VALUE: [{addr:#x}, +{size}) is not mapped by handle {}",
+                    handle.0
+                )));
+            }
+            st.vmm.mapped.remove(&handle.0);
+            st.vmm.by_addr.remove(&addr);
+            st.used -= size;
+            if self.backed {
+                // SAFETY: the range was mapped read-write by vmm_map_many inside our own
+                // reservation; dropping its pages and making it inaccessible again touches
+                // nothing else.
+                unsafe {
+                    libc::madvise(
+                        addr as *mut libc::c_void,
+                        size as usize,
+                        libc::MADV_DONTNEED,
+                    );
+                    libc::mprotect(addr as *mut libc::c_void, size as usize, libc::PROT_NONE);
+                }
             }
         }
         Ok(())
@@ -801,14 +825,37 @@ impl Driver for SimDriver {
     }
 
     fn vmm_map(&self, device: usize, addr: usize, size: usize) -> Result<PhysHandle> {
-        let h = self.vmm_device(device)?.vmm_map(addr, size)?;
-        Self::bump(&self.counters.vmm_map);
-        Ok(h)
+        let mut one = Vec::with_capacity(1);
+        self.vmm_map_many(device, addr, size, size, &mut one)?;
+        Ok(one[0])
     }
 
     fn vmm_unmap(&self, device: usize, addr: usize, size: usize, handle: PhysHandle) -> Result<()> {
-        self.vmm_device(device)?.vmm_unmap(addr, size, handle)?;
-        Self::bump(&self.counters.vmm_unmap);
+        self.vmm_unmap_many(device, &[(addr, size, handle)])
+    }
+
+    fn vmm_map_many(
+        &self,
+        device: usize,
+        addr: usize,
+        size: usize,
+        handle: usize,
+        handles: &mut Vec<PhysHandle>,
+    ) -> Result<()> {
+        let before = handles.len();
+        self.vmm_device(device)?
+            .vmm_map_many(addr, size, handle, handles)?;
+        self.counters
+            .vmm_map
+            .fetch_add((handles.len() - before) as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn vmm_unmap_many(&self, device: usize, maps: &[(usize, usize, PhysHandle)]) -> Result<()> {
+        self.vmm_device(device)?.vmm_unmap_many(maps)?;
+        self.counters
+            .vmm_unmap
+            .fetch_add(maps.len() as u64, Ordering::Relaxed);
         Ok(())
     }
 }
