@@ -391,3 +391,37 @@ fn compact_records_no_event_while_a_graph_pool_is_active() {
     a.free(q, Some(s2)).unwrap();
     a.release_pool(pool).unwrap();
 }
+
+#[test]
+fn the_simulated_driver_unmaps_single_allocations_of_one_mapping_call() {
+    use tensoralloc::driver::Driver;
+    let sim = SimDriver::shared(1, 1 << 30).unwrap();
+    let base = sim.vmm_reserve(0, 64 * MIB).unwrap();
+    let mut handles = Vec::new();
+    sim.vmm_map_many(0, base, 10 * MIB, 4 * MIB, &mut handles)
+        .unwrap();
+    assert_eq!(handles.len(), 3, "4 + 4 + 2 MiB");
+    assert_eq!(sim.mapped(0), 10 << 20);
+    let wrong = sim.vmm_unmap(0, base + 4 * MIB, 4 * MIB, handles[0]);
+    assert!(wrong.is_err(), "another allocation's handle");
+    let part = sim.vmm_unmap(0, base + 4 * MIB, 2 * MIB, handles[1]);
+    assert!(part.is_err(), "part of an allocation");
+    sim.vmm_unmap(0, base + 4 * MIB, 4 * MIB, handles[1])
+        .unwrap();
+    assert_eq!(sim.mapped(0), 6 << 20, "its neighbours stay mapped");
+    assert!(
+        sim.vmm_map_many(0, base, 2 * MIB, 2 * MIB, &mut Vec::new())
+            .is_err(),
+        "the first allocation still covers its range"
+    );
+    sim.vmm_unmap_many(
+        0,
+        &[
+            (base + 8 * MIB, 2 * MIB, handles[2]),
+            (base, 4 * MIB, handles[0]),
+        ],
+    )
+    .unwrap();
+    assert_eq!(sim.mapped(0), 0);
+    sim.vmm_free_range(0, base, 64 * MIB).unwrap();
+}

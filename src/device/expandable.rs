@@ -50,8 +50,10 @@ pub(crate) struct ExpSegment {
     pub size: usize,
     pub page: usize,
     pub pool: PoolKind,
-    /// Physical allocations mapped in the range: address -> (bytes, handle).
-    pub handles: BTreeMap<usize, (usize, PhysHandle)>,
+    /// Physical allocations mapped in the range, by page from `base`: the first page of each
+    /// holds its bytes and handle (a slot per page, so that mapping and unmapping a page
+    /// costs no search).
+    pub handles: Vec<Option<(usize, PhysHandle)>>,
     /// Bytes mapped.
     pub mapped: usize,
     /// False once the range went back to the driver.
@@ -244,7 +246,7 @@ impl ShardInner {
             size,
             page: layout.page[p],
             pool,
-            handles: BTreeMap::new(),
+            handles: Vec::new(),
             mapped: 0,
             live: true,
         });
@@ -380,10 +382,15 @@ impl ShardInner {
         let mut made = Vec::with_capacity(want.div_ceil(chunk));
         driver.vmm_map_many(device, addr, want, chunk, &mut made)?;
         let seg = &mut self.exp.segments[exp];
+        let first = (addr - seg.base) / page;
+        let end = first + want / page;
+        if seg.handles.len() < end {
+            seg.handles.resize(end, None);
+        }
         let mut at = addr;
         for h in made {
             let len = chunk.min(addr + want - at);
-            seg.handles.insert(at, (len, h));
+            seg.handles[(at - seg.base) / page] = Some((len, h));
             at += len;
         }
         if seg.mapped == 0 {
@@ -451,11 +458,19 @@ impl ShardInner {
             (b.addr, b.size, b.exp as usize, b.pool)
         };
         let end = addr + size;
-        let inside: Vec<(usize, usize, PhysHandle)> = self.exp.segments[exp]
+        let seg = &self.exp.segments[exp];
+        let pages = (addr - seg.base).div_ceil(seg.page)..(end - seg.base) / seg.page;
+        let inside: Vec<(usize, usize, PhysHandle)> = seg
             .handles
-            .range(addr..end)
-            .filter(|(&a, &(l, _))| a + l <= end)
-            .map(|(&a, &(l, h))| (a, l, h))
+            .get(pages.start..pages.end.min(seg.handles.len()))
+            .unwrap_or_default()
+            .iter()
+            .zip(pages.clone())
+            .filter_map(|(slot, p)| {
+                let (l, h) = (*slot)?;
+                let a = seg.base + p * seg.page;
+                (a + l <= end).then_some((a, l, h))
+            })
             .collect();
         let (Some(&(lo, _, _)), Some(&(last, last_len, _))) = (inside.first(), inside.last())
         else {
@@ -463,9 +478,9 @@ impl ShardInner {
         };
         let hi = last + last_len;
         driver.vmm_unmap_many(device, &inside)?;
-        let handles = &mut self.exp.segments[exp].handles;
+        let seg = &mut self.exp.segments[exp];
         for &(a, _, _) in &inside {
-            handles.remove(&a);
+            seg.handles[(a - seg.base) / seg.page] = None;
         }
         let bytes = hi - lo;
         self.remove_free(id);
@@ -540,8 +555,10 @@ impl ShardInner {
             if !seg.live {
                 continue;
             }
-            for (&a, &(l, h)) in &seg.handles {
-                let _ = driver.vmm_unmap(device, a, l, h);
+            for (p, slot) in seg.handles.iter().enumerate() {
+                if let Some((l, h)) = *slot {
+                    let _ = driver.vmm_unmap(device, seg.base + p * seg.page, l, h);
+                }
             }
             seg.handles.clear();
             let _ = driver.vmm_free_range(device, seg.base, seg.size);

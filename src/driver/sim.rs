@@ -136,11 +136,52 @@ struct VmmState {
     reserved: u64,
     /// Next address of an unbacked device's reservations.
     next_unbacked: u64,
-    /// Mapped physical allocations: handle -> (address, size).
-    mapped: HashMap<u64, (u64, u64)>,
-    /// The same by address: start -> end.
-    by_addr: BTreeMap<u64, u64>,
+    /// Mapped physical allocations, as runs made by one call: start -> run.
+    by_addr: BTreeMap<u64, Run>,
     next_handle: u64,
+}
+
+/// Physical allocations mapped back to back by one call: `[start, end)` in allocations of
+/// `each` bytes (the last one the rest), numbered from `first`. One entry per call keeps a
+/// growth of many pages as cheap as a growth of one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Run {
+    end: u64,
+    each: u64,
+    first: u64,
+}
+
+impl VmmState {
+    /// Removes the allocation `[addr, addr + size)` with `handle` from its run, keeping the
+    /// allocations before and after it. False when no run maps exactly that.
+    fn unmap_one(&mut self, addr: u64, size: u64, handle: u64) -> bool {
+        let Some((&start, &run)) = self.by_addr.range(..=addr).next_back() else {
+            return false;
+        };
+        let i = (addr - start) / run.each;
+        if addr >= run.end
+            || addr != start + i * run.each
+            || size != run.each.min(run.end - addr)
+            || handle != run.first + i
+        {
+            return false;
+        }
+        if addr == start {
+            self.by_addr.remove(&start);
+        } else if let Some(before) = self.by_addr.get_mut(&start) {
+            before.end = addr;
+        }
+        if addr + size < run.end {
+            self.by_addr.insert(
+                addr + size,
+                Run {
+                    first: handle + 1,
+                    ..run
+                },
+            );
+        }
+        true
+    }
 }
 
 impl SimDevice {
@@ -357,7 +398,7 @@ impl SimDevice {
             .by_addr
             .range(..addr + size)
             .next_back()
-            .is_some_and(|(_, &end)| end > addr);
+            .is_some_and(|(_, run)| run.end > addr);
         if overlaps {
             return Err(Error::Driver(format!(
                 "CUDA_ERROR_INVALID_VALUE: [{addr:#x}, +{size}) is already mapped"
@@ -387,16 +428,18 @@ impl SimDevice {
             }
         }
         st.used += size;
-        let mut at = addr;
-        while at < addr + size {
-            let len = handle.min(addr + size - at);
-            st.vmm.next_handle += 1;
-            let h = st.vmm.next_handle;
-            st.vmm.mapped.insert(h, (at, len));
-            st.vmm.by_addr.insert(at, at + len);
-            handles.push(PhysHandle(h));
-            at += len;
-        }
+        let first = st.vmm.next_handle + 1;
+        let count = size.div_ceil(handle);
+        st.vmm.next_handle += count;
+        st.vmm.by_addr.insert(
+            addr,
+            Run {
+                end: addr + size,
+                each: handle,
+                first,
+            },
+        );
+        handles.extend((first..first + count).map(PhysHandle));
         Ok(())
     }
 
@@ -405,14 +448,12 @@ impl SimDevice {
         let mut st = self.state.lock();
         for &(addr, size, handle) in maps {
             let (addr, size) = (addr as u64, size as u64);
-            if st.vmm.mapped.get(&handle.0) != Some(&(addr, size)) {
+            if !st.vmm.unmap_one(addr, size, handle.0) {
                 return Err(Error::Driver(format!(
                     "CUDA_ERROR_INVALID_VALUE: [{addr:#x}, +{size}) is not mapped by handle {}",
                     handle.0
                 )));
             }
-            st.vmm.mapped.remove(&handle.0);
-            st.vmm.by_addr.remove(&addr);
             st.used -= size;
             if self.backed {
                 // SAFETY: the range was mapped read-write by vmm_map_many inside our own
@@ -586,7 +627,13 @@ impl SimDriver {
     /// Bytes of device memory mapped through virtual memory management on `device`.
     pub fn mapped(&self, device: usize) -> u64 {
         self.devices.get(device).map_or(0, |d| {
-            d.state.lock().vmm.mapped.values().map(|&(_, l)| l).sum()
+            d.state
+                .lock()
+                .vmm
+                .by_addr
+                .iter()
+                .map(|(&a, r)| r.end - a)
+                .sum()
         })
     }
 
