@@ -397,31 +397,34 @@ fn the_simulated_driver_unmaps_single_allocations_of_one_mapping_call() {
     use tensoralloc::driver::Driver;
     let sim = SimDriver::shared(1, 1 << 30).unwrap();
     let base = sim.vmm_reserve(0, 64 * MIB).unwrap();
-    let mut handles = Vec::new();
-    sim.vmm_map_many(0, base, 10 * MIB, 4 * MIB, &mut handles)
+    let mut h = Vec::new();
+    sim.vmm_map_many(0, base, 14 * MIB, 4 * MIB, &mut h)
         .unwrap();
-    assert_eq!(handles.len(), 3, "4 + 4 + 2 MiB");
-    assert_eq!(sim.mapped(0), 10 << 20);
-    let wrong = sim.vmm_unmap(0, base + 4 * MIB, 4 * MIB, handles[0]);
-    assert!(wrong.is_err(), "another allocation's handle");
-    let part = sim.vmm_unmap(0, base + 4 * MIB, 2 * MIB, handles[1]);
-    assert!(part.is_err(), "part of an allocation");
-    sim.vmm_unmap(0, base + 4 * MIB, 4 * MIB, handles[1])
-        .unwrap();
-    assert_eq!(sim.mapped(0), 6 << 20, "its neighbours stay mapped");
+    assert_eq!(h.len(), 4, "4 + 4 + 4 + 2 MiB");
+    assert_eq!(sim.mapped(0), 14 << 20);
+    let at = |i: usize| base + i * 4 * MIB;
     assert!(
-        sim.vmm_map_many(0, base, 2 * MIB, 2 * MIB, &mut Vec::new())
-            .is_err(),
-        "the first allocation still covers its range"
+        sim.vmm_unmap(0, at(1), 4 * MIB, h[0]).is_err(),
+        "another allocation's handle"
     );
-    sim.vmm_unmap_many(
-        0,
-        &[
-            (base + 8 * MIB, 2 * MIB, handles[2]),
-            (base, 4 * MIB, handles[0]),
-        ],
-    )
-    .unwrap();
+    assert!(
+        sim.vmm_unmap(0, at(1), 2 * MIB, h[1]).is_err(),
+        "part of an allocation"
+    );
+    sim.vmm_unmap_many(0, &[(at(1), 4 * MIB, h[1]), (at(2), 4 * MIB, h[2])])
+        .unwrap();
+    assert_eq!(sim.mapped(0), 6 << 20, "the allocations around them stay");
+    assert!(
+        sim.vmm_map_many(0, at(3), 2 * MIB, 2 * MIB, &mut Vec::new())
+            .is_err(),
+        "the last allocation still covers its range"
+    );
+    assert!(
+        sim.vmm_unmap(0, at(1), 4 * MIB, h[1]).is_err(),
+        "unmapped already"
+    );
+    sim.vmm_unmap_many(0, &[(at(3), 2 * MIB, h[3]), (base, 4 * MIB, h[0])])
+        .unwrap();
     assert_eq!(sim.mapped(0), 0);
     sim.vmm_free_range(0, base, 64 * MIB).unwrap();
 }

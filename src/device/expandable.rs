@@ -555,11 +555,13 @@ impl ShardInner {
             if !seg.live {
                 continue;
             }
-            for (p, slot) in seg.handles.iter().enumerate() {
-                if let Some((l, h)) = *slot {
-                    let _ = driver.vmm_unmap(device, seg.base + p * seg.page, l, h);
-                }
-            }
+            let maps: Vec<_> = seg
+                .handles
+                .iter()
+                .enumerate()
+                .filter_map(|(p, slot)| slot.map(|(l, h)| (seg.base + p * seg.page, l, h)))
+                .collect();
+            let _ = driver.vmm_unmap_many(device, &maps);
             seg.handles.clear();
             let _ = driver.vmm_free_range(device, seg.base, seg.size);
             seg.live = false;

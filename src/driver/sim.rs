@@ -152,35 +152,50 @@ struct Run {
 }
 
 impl VmmState {
-    /// Removes the allocation `[addr, addr + size)` with `handle` from its run, keeping the
-    /// allocations before and after it. False when no run maps exactly that.
-    fn unmap_one(&mut self, addr: u64, size: u64, handle: u64) -> bool {
-        let Some((&start, &run)) = self.by_addr.range(..=addr).next_back() else {
-            return false;
+    /// Unmaps the longest prefix of `maps` whose entries are consecutive allocations of one
+    /// run, keeping the allocations around them. Returns how many it unmapped: 0 when the
+    /// first entry is not exactly an allocation of some run.
+    fn unmap_run(&mut self, maps: &[(usize, usize, PhysHandle)]) -> usize {
+        let Some(&(addr, _, _)) = maps.first() else {
+            return 0;
         };
-        let i = (addr - start) / run.each;
-        if addr >= run.end
-            || addr != start + i * run.each
-            || size != run.each.min(run.end - addr)
-            || handle != run.first + i
-        {
-            return false;
+        let addr = addr as u64;
+        let Some((&start, &run)) = self.by_addr.range(..=addr).next_back() else {
+            return 0;
+        };
+        let is_allocation = |a: u64, size: u64, handle: u64| {
+            a < run.end
+                && (a - start).is_multiple_of(run.each)
+                && size == run.each.min(run.end - a)
+                && handle == run.first + (a - start) / run.each
+        };
+        let (mut end, mut n) = (addr, 0);
+        for &(a, size, handle) in maps {
+            let (a, size) = (a as u64, size as u64);
+            if a != end || !is_allocation(a, size, handle.0) {
+                break;
+            }
+            end = a + size;
+            n += 1;
+        }
+        if n == 0 {
+            return 0;
         }
         if addr == start {
             self.by_addr.remove(&start);
         } else if let Some(before) = self.by_addr.get_mut(&start) {
             before.end = addr;
         }
-        if addr + size < run.end {
+        if end < run.end {
             self.by_addr.insert(
-                addr + size,
+                end,
                 Run {
-                    first: handle + 1,
+                    first: run.first + (end - start) / run.each,
                     ..run
                 },
             );
         }
-        true
+        n
     }
 }
 
@@ -446,28 +461,29 @@ impl SimDevice {
     /// Unmaps each mapping of `maps` under one lock, stopping at the first that is not one.
     fn vmm_unmap_many(&self, maps: &[(usize, usize, PhysHandle)]) -> Result<()> {
         let mut st = self.state.lock();
-        for &(addr, size, handle) in maps {
-            let (addr, size) = (addr as u64, size as u64);
-            if !st.vmm.unmap_one(addr, size, handle.0) {
+        let mut done = 0;
+        while done < maps.len() {
+            let n = st.vmm.unmap_run(&maps[done..]);
+            if n == 0 {
+                let (addr, size, handle) = maps[done];
                 return Err(Error::Driver(format!(
                     "CUDA_ERROR_INVALID_VALUE: [{addr:#x}, +{size}) is not mapped by handle {}",
                     handle.0
                 )));
             }
-            st.used -= size;
-            if self.backed {
-                // SAFETY: the range was mapped read-write by vmm_map_many inside our own
-                // reservation; dropping its pages and making it inaccessible again touches
-                // nothing else.
-                unsafe {
-                    libc::madvise(
-                        addr as *mut libc::c_void,
-                        size as usize,
-                        libc::MADV_DONTNEED,
-                    );
-                    libc::mprotect(addr as *mut libc::c_void, size as usize, libc::PROT_NONE);
+            for &(addr, size, _) in &maps[done..done + n] {
+                st.used -= size as u64;
+                if self.backed {
+                    // SAFETY: the range was mapped read-write by vmm_map_many inside our own
+                    // reservation; dropping its pages and making it inaccessible again
+                    // touches nothing else.
+                    unsafe {
+                        libc::madvise(addr as *mut libc::c_void, size, libc::MADV_DONTNEED);
+                        libc::mprotect(addr as *mut libc::c_void, size, libc::PROT_NONE);
+                    }
                 }
             }
+            done += n;
         }
         Ok(())
     }
