@@ -4,6 +4,7 @@
 use std::sync::Arc;
 
 use tensoralloc::config::Config;
+use tensoralloc::device::history::Action;
 use tensoralloc::device::DeviceAllocator;
 use tensoralloc::driver::sim::{self, SimDriver};
 use tensoralloc::Error;
@@ -427,4 +428,90 @@ fn the_simulated_driver_unmaps_single_allocations_of_one_mapping_call() {
         .unwrap();
     assert_eq!(sim.mapped(0), 0);
     sim.vmm_free_range(0, base, 64 * MIB).unwrap();
+}
+
+/// The mapping events of the memory history, as (action, address, bytes, stream).
+fn mapping_events(a: &DeviceAllocator) -> Vec<(Action, usize, usize, usize)> {
+    a.history()
+        .entries()
+        .into_iter()
+        .filter(|e| matches!(e.action, Action::SegmentMap | Action::SegmentUnmap))
+        .map(|e| {
+            (
+                e.action,
+                e.addr as usize,
+                e.size as usize,
+                e.stream as usize,
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn the_memory_history_records_each_mapping_and_unmapping() {
+    let (_sim, a) = expandable(1 << 30);
+    let s = unique_stream();
+    a.history().set(true, 100).unwrap();
+    let p = a.malloc(30 * MIB, s).unwrap();
+    let q = a.malloc(30 * MIB, s).unwrap();
+    a.free(p, Some(s)).unwrap();
+    a.empty_cache().unwrap();
+    let maps = [
+        (Action::SegmentMap, p, 40 * MIB, s),
+        (Action::SegmentMap, p + 40 * MIB, 20 * MIB, s),
+    ];
+    assert_eq!(
+        mapping_events(&a),
+        maps,
+        "p's physical allocation holds the start of q too"
+    );
+    a.free(q, Some(s)).unwrap();
+    a.empty_cache().unwrap();
+    let unmap = (Action::SegmentUnmap, p, 60 * MIB, s);
+    assert_eq!(mapping_events(&a), [maps[0], maps[1], unmap]);
+}
+
+#[test]
+fn the_memory_history_records_pages_compact_takes_from_another_stream() {
+    let (_sim, a) = setup(1 << 30, "policy:compact");
+    let (s, t) = (unique_stream(), unique_stream());
+    let p = a.malloc(8 * MIB, s).unwrap();
+    a.free(p, Some(s)).unwrap();
+    a.history().set(true, 100).unwrap();
+    let q = a.malloc(8 * MIB, t).unwrap();
+    let events = mapping_events(&a);
+    assert!(
+        events.contains(&(Action::SegmentUnmap, p, 8 * MIB, s)),
+        "{events:?}"
+    );
+    assert!(
+        events.contains(&(Action::SegmentMap, q, 8 * MIB, t)),
+        "{events:?}"
+    );
+    a.free(q, Some(t)).unwrap();
+}
+
+#[test]
+fn a_snapshot_says_segments_are_expandable_and_carries_the_mapping_events() {
+    let conf = "expandable_segments:True";
+    let (_sim, a) = setup(1 << 30, conf);
+    let s = unique_stream();
+    a.history().set(true, 100).unwrap();
+    let p = a.malloc(30 * MIB, s).unwrap();
+    let mut out = Vec::new();
+    let config = Config::parse(conf).unwrap();
+    tensoralloc::device::history::write_snapshot(&mut out, std::iter::once(&a), &config, conf)
+        .unwrap();
+    let value: serde_pickle::Value =
+        serde_pickle::from_slice(&out, serde_pickle::DeOptions::new()).unwrap();
+    let text = format!("{value:?}");
+    assert!(
+        text.contains(r#"String("expandable_segments"): Bool(true)"#),
+        "{text}"
+    );
+    assert!(text.contains(r#"String("segment_map")"#), "{text}");
+    let trace = tensoralloc::replay::snapshot::parse(&out, 0).unwrap();
+    let actions: Vec<_> = trace.events.iter().map(|e| e.action).collect();
+    assert_eq!(actions, [Action::SegmentMap, Action::Alloc]);
+    a.free(p, Some(s)).unwrap();
 }

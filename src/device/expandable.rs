@@ -76,14 +76,16 @@ pub(crate) struct ExpState {
     pub prefer_settled: bool,
 }
 
-/// What a change of mappings did, for the device counters.
-#[derive(Debug, Default, Clone, Copy)]
+/// What a change of mappings did, for the device counters and the memory history.
+#[derive(Debug, Default, Clone)]
 pub(crate) struct Report {
     pub maps: u64,
     pub unmaps: u64,
     pub bytes: usize,
     /// Ranges reserved (address, size) or returned.
     pub reserved: Option<(usize, usize)>,
+    /// Each range mapped or unmapped, in order: (whether mapped, address, bytes).
+    pub ranges: Vec<(bool, usize, usize)>,
 }
 
 /// Where unmapping may take memory from.
@@ -400,6 +402,7 @@ impl ShardInner {
         stats.both(StatKind::ReservedBytes, pool, want as i64);
         report.maps += 1;
         report.bytes += want;
+        report.ranges.push((true, addr, want));
         Ok(())
     }
 
@@ -525,6 +528,7 @@ impl ShardInner {
         stats.both(StatKind::ReservedBytes, pool, -(bytes as i64));
         report.unmaps += 1;
         report.bytes += bytes;
+        report.ranges.push((false, lo, bytes));
         Ok(())
     }
 

@@ -15,6 +15,7 @@
 //!   some stream is about to grow, and only queried (never waited for).
 
 use super::expandable::{Layout, Reclaim, Report};
+use super::history::Action;
 use super::shard::{ShardInner, StatSink, State, NONE};
 use super::size::{PoolKind, LARGE_BUFFER, SMALL_BUFFER};
 use super::stats::{self, ShardStats, StatKind};
@@ -99,17 +100,29 @@ impl DeviceAllocator {
         if let Some((base, size)) = report.reserved {
             self.segments.write().insert(base, (size, shard.index));
         }
-        self.count(&report);
+        self.count(shard, &report);
         grown
     }
 
-    fn count(&self, report: &Report) {
+    /// Counts what `report` mapped and unmapped for `shard`, and records it in the memory
+    /// history (PyTorch's `segment_map` and `segment_unmap`).
+    fn count(&self, shard: &Shard, report: &Report) {
         self.counters
             .num_device_alloc
-            .fetch_add(report.maps as i64, std::sync::atomic::Ordering::Relaxed);
+            .fetch_add(report.maps as i64, Relaxed);
         self.counters
             .num_device_free
-            .fetch_add(report.unmaps as i64, std::sync::atomic::Ordering::Relaxed);
+            .fetch_add(report.unmaps as i64, Relaxed);
+        if self.history().on() {
+            for &(mapped, addr, bytes) in &report.ranges {
+                let action = if mapped {
+                    Action::SegmentMap
+                } else {
+                    Action::SegmentUnmap
+                };
+                self.note(action, addr, bytes, shard.stream);
+            }
+        }
     }
 
     /// Unmaps every free page of `shard` (its events were waited for) and returns ranges with
@@ -129,7 +142,7 @@ impl DeviceAllocator {
             usize::MAX,
             &mut self.sink(shard),
         )?;
-        self.count(&report);
+        self.count(shard, &report);
         for base in inner.free_empty_ranges(&*self.driver, self.device)? {
             self.segments.write().remove(&base);
         }
@@ -200,7 +213,7 @@ impl DeviceAllocator {
         };
         match unmapped {
             Ok(report) => {
-                self.count(&report);
+                self.count(shard, &report);
                 report.bytes
             }
             Err(e) => {
