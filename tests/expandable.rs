@@ -515,3 +515,64 @@ fn a_snapshot_says_segments_are_expandable_and_carries_the_mapping_events() {
     assert_eq!(actions, [Action::SegmentMap, Action::Alloc]);
     a.free(p, Some(s)).unwrap();
 }
+
+#[test]
+fn empty_cache_waits_for_the_stream_before_unmapping() {
+    let (sim, a) = expandable(1 << 30);
+    let s = unique_stream();
+    let p = a.malloc(20 * MIB, s).unwrap();
+    a.free(p, Some(s)).unwrap();
+    let waits = || {
+        sim.counters
+            .event_syncs
+            .load(std::sync::atomic::Ordering::Relaxed)
+    };
+    let before = waits();
+    a.empty_cache().unwrap();
+    assert_eq!(
+        waits(),
+        before + 1,
+        "kernels queued before the free may still use the page"
+    );
+    assert_eq!(sim.mapped(0), 0);
+}
+
+#[test]
+fn the_garbage_collection_threshold_unmaps_free_pages_before_growing_past_it() {
+    let (sim, a) = setup(
+        1 << 30,
+        "expandable_segments:True,garbage_collection_threshold:0.5",
+    );
+    let s = unique_stream();
+    let p = a.malloc(300 * MIB, s).unwrap();
+    let q = a.malloc(20 * MIB, s).unwrap();
+    a.free(p, Some(s)).unwrap();
+    let r = a.malloc(400 * MIB, s).unwrap();
+    assert!(
+        r > q,
+        "p's free pages are too few for r, which goes after q"
+    );
+    assert_eq!(
+        reserved(&a),
+        420 << 20,
+        "720 MiB would pass half of the device: p's pages went back first"
+    );
+    assert_eq!(sim.mapped(0), 420 << 20);
+    a.free(q, Some(s)).unwrap();
+    a.free(r, Some(s)).unwrap();
+}
+
+#[test]
+fn graph_private_pools_keep_ordinary_segments() {
+    let (sim, a) = expandable(1 << 30);
+    let s = unique_stream();
+    let pool = (2, 0);
+    a.begin_allocate_to_pool(pool, None).unwrap();
+    let p = a.malloc(30 * MIB, s).unwrap();
+    a.end_allocate_to_pool(pool).unwrap();
+    assert_eq!(sim.mapped(0), 0, "nothing mapped");
+    assert_eq!(reserved(&a), 30 << 20, "one ordinary 30 MiB segment");
+    a.free(p, Some(s)).unwrap();
+    a.release_pool(pool).unwrap();
+    assert_eq!(reserved(&a), 0, "the released pool's segment went back");
+}

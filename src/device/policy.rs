@@ -125,21 +125,26 @@ impl DeviceAllocator {
         }
     }
 
-    /// Unmaps every free page of `shard` (its events were waited for) and returns ranges with
-    /// nothing mapped. Returns the bytes unmapped.
+    /// Unmaps free pages of `shard` (its events were waited for), smallest free block first,
+    /// until `goal` bytes are unmapped, and returns ranges with nothing mapped. Returns the
+    /// bytes unmapped.
     pub(super) fn release_expandable(
         &self,
         shard: &Shard,
         inner: &mut ShardInner,
+        goal: usize,
     ) -> Result<usize> {
         if inner.exp.segments.is_empty() {
             return Ok(0);
+        }
+        if self.free_mapped(shard) > 0 {
+            self.wait_for_stream(shard)?;
         }
         let report = inner.unmap_free(
             &*self.driver,
             self.device,
             Reclaim::All,
-            usize::MAX,
+            goal,
             &mut self.sink(shard),
         )?;
         self.count(shard, &report);
@@ -147,6 +152,18 @@ impl DeviceAllocator {
             self.segments.write().remove(&base);
         }
         Ok(report.bytes)
+    }
+
+    /// Waits for the work queued on `shard`'s stream: unlike freeing a segment, unmapping
+    /// memory does not wait for the kernels that may still use it.
+    fn wait_for_stream(&self, shard: &Shard) -> Result<()> {
+        let event = self.events.get(&self.driver)?;
+        let waited = self
+            .driver
+            .event_record(self.device, event, shard.stream)
+            .and_then(|()| self.driver.event_synchronize(self.device, event));
+        self.events.put(event);
+        waited
     }
 
     /// Before `shard` grows by `need` bytes of `pool`: unmaps idle free pages of this and
