@@ -87,6 +87,9 @@ impl DeviceAllocator {
         if self.policy == Policy::Compact {
             self.reclaim_idle(shard, inner, rounded, pool);
         }
+        // A growth changes several statistics, each of which may pass its limit (reserved
+        // bytes above all when they come from other streams' pages): they are only marked
+        // here and settled once below, rather than once per statistic.
         let mut report = Report::default();
         let grown = inner.grow(
             &*self.driver,
@@ -94,14 +97,22 @@ impl DeviceAllocator {
             layout,
             pool,
             rounded,
-            &mut self.sink(shard),
+            &mut MarkOnly(&shard.stats),
             &mut report,
         );
         if let Some((base, size)) = report.reserved {
             self.segments.write().insert(base, (size, shard.index));
         }
         self.count(shard, &report);
+        self.settle_marked(shard);
         grown
+    }
+
+    /// Settles the overdrafts that shards only marked, under `shard`'s lock.
+    fn settle_marked(&self, shard: &Shard) {
+        if self.shards.iter().any(|s| s.stats.is_over()) {
+            self.settle_peaks(shard);
+        }
     }
 
     /// Counts what `report` mapped and unmapped for `shard`, and records it in the memory
@@ -179,7 +190,7 @@ impl DeviceAllocator {
             .find_space(pool, need)
             .filter(|&id| inner.block(id).state == State::Free)
             .unwrap_or(NONE);
-        let mut got = self.reclaim_from(shard, inner, need, keep, false);
+        let mut got = self.reclaim_from(shard, inner, need, keep);
         for other in self.shards.iter() {
             if got >= need {
                 break;
@@ -188,24 +199,13 @@ impl DeviceAllocator {
                 continue;
             }
             if let Some(mut o) = other.inner.try_lock() {
-                got += self.reclaim_from(other, &mut o, need - got, NONE, true);
+                got += self.reclaim_from(other, &mut o, need - got, NONE);
             }
         }
-        // Overdrafts the other streams' shards only marked are settled now that this thread
-        // holds one shard lock again.
-        if self.shards.iter().any(|s| s.stats.is_over()) {
-            self.settle_peaks(shard);
-        }
+        // Overdrafts are settled by the caller, after the growth.
     }
 
-    fn reclaim_from(
-        &self,
-        shard: &Shard,
-        inner: &mut ShardInner,
-        goal: usize,
-        keep: u32,
-        beside_another: bool,
-    ) -> usize {
+    fn reclaim_from(&self, shard: &Shard, inner: &mut ShardInner, goal: usize, keep: u32) -> usize {
         if inner.exp.segments.is_empty()
             || self.free_mapped(shard) < MIN_RECLAIM
             || self.driver.stream_capturing(shard.stream).unwrap_or(false)
@@ -213,21 +213,16 @@ impl DeviceAllocator {
             return 0;
         }
         self.refresh_idle(shard, inner);
-        let reclaim = Reclaim::Idle { keep };
-        let unmapped = if beside_another {
-            // The growing stream's lock is held too, and settling peaks now would lock every
-            // shard, that one included: overdrafts are only marked, and settled by the caller.
-            let mut marks = MarkOnly(&shard.stats);
-            inner.unmap_free(&*self.driver, self.device, reclaim, goal, &mut marks)
-        } else {
-            inner.unmap_free(
-                &*self.driver,
-                self.device,
-                reclaim,
-                goal,
-                &mut self.sink(shard),
-            )
-        };
+        // Settling peaks now would lock every shard, the growing one included when this is
+        // another stream's: overdrafts are only marked, and settled after the growth.
+        let mut marks = MarkOnly(&shard.stats);
+        let unmapped = inner.unmap_free(
+            &*self.driver,
+            self.device,
+            Reclaim::Idle { keep },
+            goal,
+            &mut marks,
+        );
         match unmapped {
             Ok(report) => {
                 self.count(shard, &report);
