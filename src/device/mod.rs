@@ -32,7 +32,7 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::Arc;
 
-use parking_lot::{Mutex, MutexGuard, RwLock};
+use parking_lot::{MutexGuard, RwLock};
 
 use crate::config::{roundup_interval, Config, Policy, ROUNDUP_INTERVALS};
 use crate::driver::{Driver, Event, Stream};
@@ -41,7 +41,7 @@ use events::EventPool;
 use graph::GraphPools;
 use history::Action;
 use limit::MemoryLimit;
-use shard::{ShardInner, StatSink, State};
+use shard::{ShardInner, ShardLock, StatSink, State};
 use size::{format_bytes, round_size_with, segment_size, PoolKind, MAX_REQUEST};
 use stats::{DeviceCounters, DeviceStats, ShardStats, Stat, StatKind, TRACKED};
 use table::ShardTable;
@@ -56,7 +56,7 @@ pub(crate) struct Shard {
     index: u32,
     /// A shard of a graph private pool ([`graph`]) rather than the stream's own.
     private: bool,
-    inner: Mutex<ShardInner>,
+    inner: ShardLock,
     stats: ShardStats,
 }
 
@@ -79,6 +79,9 @@ pub struct DeviceAllocator {
     history: history::History,
     graph: GraphPools,
     limit: MemoryLimit,
+    /// Whether shards replay cached pairs ([`shard::Memo`]); off only to test that replaying
+    /// changes nothing.
+    pair_memo: bool,
 }
 
 /// Routes statistic changes of one shard to the device counters.
@@ -165,7 +168,25 @@ impl DeviceAllocator {
             history: history::History::default(),
             graph: GraphPools::default(),
             limit: MemoryLimit::default(),
+            pair_memo: true,
         })
+    }
+
+    /// Turns the replay of cached malloc+free pairs off or on (on by default). Replaying
+    /// changes nothing observable; this exists so that tests can show it.
+    #[doc(hidden)]
+    pub fn set_pair_memo(&mut self, on: bool) {
+        self.pair_memo = on;
+    }
+
+    /// Mallocs served by replaying a cached pair so far (counted in debug builds only, for
+    /// tests; 0 otherwise).
+    #[doc(hidden)]
+    pub fn pair_memo_hits(&self) -> u64 {
+        self.shards
+            .iter()
+            .map(|s| s.inner.lock_memo().memo_hits())
+            .sum()
     }
 
     /// The device index.
@@ -183,7 +204,7 @@ impl DeviceAllocator {
             stream,
             index,
             private: false,
-            inner: Mutex::new(ShardInner::default()),
+            inner: ShardLock::default(),
             stats: ShardStats::default(),
         })
     }
@@ -274,12 +295,26 @@ impl DeviceAllocator {
             self.shard_for_pools(stream)?
         };
         let mut retried = false;
+        {
+            let mut inner = shard.inner.lock_memo();
+            if let Some(addr) = inner.malloc_memo(
+                pool,
+                rounded,
+                size,
+                self.max_split_size,
+                &mut self.sink(shard),
+            ) {
+                self.note(Action::Alloc, addr, size, stream);
+                return Ok(addr);
+            }
+        }
         loop {
             let mut inner = shard.inner.lock();
             if !inner.pending.is_empty() && !self.capture_blocks(stream) {
                 self.process_events(shard, &mut inner);
             }
             let found = inner.take_best_fit(pool, rounded, self.max_split_size);
+            let from_index = found.is_some();
             let id = match found {
                 Some(id) => id,
                 None => match self.new_memory(shard, &mut inner, pool, rounded, stream) {
@@ -307,6 +342,7 @@ impl DeviceAllocator {
                 rounded,
                 size,
                 self.max_split_size,
+                from_index,
                 &mut self.sink(shard),
             );
             self.note(Action::Alloc, addr, size, stream);
@@ -389,8 +425,29 @@ impl DeviceAllocator {
         }
         let found = stream_hint
             .and_then(|s| self.shards.get(s))
-            .and_then(|shard| self.unallocate_in(shard, ptr))
-            .or_else(|| self.unallocate_in(self.owner_of(ptr)?, ptr));
+            .and_then(|shard| {
+                let mut inner = shard.inner.lock_memo();
+                if let Some(requested) =
+                    inner.free_memo(ptr, self.max_split_size, &mut self.sink(shard))
+                {
+                    return Some(Err((shard, requested)));
+                }
+                inner.settle_memo();
+                self.unallocate_from(shard, inner, ptr).map(Ok)
+            })
+            .or_else(|| self.unallocate_in(self.owner_of(ptr)?, ptr).map(Ok));
+        let found = match found {
+            Some(Err((shard, requested))) => {
+                // The memo's allocation, freed as the full path would.
+                if self.history.on() {
+                    self.note(Action::FreeRequested, ptr, requested, shard.stream);
+                    self.note(Action::FreeCompleted, ptr, requested, shard.stream);
+                }
+                return Ok(true);
+            }
+            Some(Ok(found)) => Some(found),
+            None => None,
+        };
         let Some((shard, inner, id)) = found else {
             return Ok(false);
         };
@@ -405,7 +462,15 @@ impl DeviceAllocator {
         shard: &'a Shard,
         ptr: usize,
     ) -> Option<(&'a Shard, MutexGuard<'a, ShardInner>, u32)> {
-        let mut inner = shard.inner.lock();
+        self.unallocate_from(shard, shard.inner.lock(), ptr)
+    }
+
+    fn unallocate_from<'a>(
+        &'a self,
+        shard: &'a Shard,
+        mut inner: MutexGuard<'a, ShardInner>,
+        ptr: usize,
+    ) -> Option<(&'a Shard, MutexGuard<'a, ShardInner>, u32)> {
         let id = inner.unallocate(ptr, self.max_split_size, &mut self.sink(shard))?;
         Some((shard, inner, id))
     }
@@ -418,7 +483,11 @@ impl DeviceAllocator {
     ) -> Result<()> {
         if inner.block(id).stream_uses.is_empty() {
             self.note_block(Action::FreeCompleted, shard, &inner, id);
+            let candidate = inner.memo_candidate(id);
             inner.release(id, &mut self.sink(shard));
+            if let Some(c) = candidate.filter(|_| !shard.private && self.pair_memo) {
+                inner.remember(c);
+            }
             if shard.private && self.private_shard_unused(shard) {
                 self.trim_private_shard(shard, &mut inner);
             }
