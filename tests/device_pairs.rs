@@ -92,7 +92,7 @@ fn run_both(seed: u64, steps: usize) -> u64 {
                         full.malloc(size, stream).unwrap(),
                     );
                     assert_eq!(p.wrapping_add(offset), q, "step {step}: malloc({size})");
-                    if i > 0 || (r >> 32) % 4 != 0 {
+                    if i > 0 || !(r >> 32).is_multiple_of(4) {
                         memo.free(p, Some(stream)).unwrap();
                         full.free(q, Some(stream)).unwrap();
                     } else {
@@ -128,11 +128,11 @@ fn run_both(seed: u64, steps: usize) -> u64 {
                 memo.record_stream(p, stream).unwrap();
                 full.record_stream(p.wrapping_add(offset), stream).unwrap();
             }
-            14 if (r >> 16) % 8 == 0 => {
+            14 if (r >> 16).is_multiple_of(8) => {
                 memo.empty_cache().unwrap();
                 full.empty_cache().unwrap();
             }
-            15 if (r >> 16) % 4 == 0 => {
+            15 if (r >> 16).is_multiple_of(4) => {
                 memo.reset_peak_stats();
                 full.reset_peak_stats();
             }
