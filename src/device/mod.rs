@@ -99,6 +99,36 @@ impl StatSink for Sink<'_> {
     }
 }
 
+/// A [`Sink`] for one block operation (an allocation, a free, a release, a new or returned
+/// segment): statistics that pass their limits are only marked, and settled once when the
+/// operation's sink is dropped, still under the shard's lock, rather than once per statistic.
+/// Exact because in these operations a statistic that rises past its limit ends at its
+/// highest value (decreases come first), so the settle sees the operation's peak as the
+/// shard's current state.
+struct OpSink<'a> {
+    alloc: &'a DeviceAllocator,
+    shard: &'a Shard,
+    over: bool,
+}
+
+impl StatSink for OpSink<'_> {
+    #[inline(always)]
+    fn change(&mut self, index: usize, delta: i64) {
+        if self.shard.stats.change(index, delta) {
+            self.over = true;
+        }
+    }
+}
+
+impl Drop for OpSink<'_> {
+    #[inline(always)]
+    fn drop(&mut self) {
+        if self.over {
+            self.alloc.settle_peaks(self.shard);
+        }
+    }
+}
+
 /// Holds the locks of every shard but one (whose lock the caller holds) without allocating.
 struct LockedShards<'a> {
     alloc: &'a DeviceAllocator,
@@ -213,6 +243,16 @@ impl DeviceAllocator {
         Sink { alloc: self, shard }
     }
 
+    /// The sink of one block operation on `shard`, whose lock the caller holds until the sink
+    /// is dropped ([`OpSink`]).
+    fn op_sink<'a>(&'a self, shard: &'a Shard) -> OpSink<'a> {
+        OpSink {
+            alloc: self,
+            shard,
+            over: false,
+        }
+    }
+
     /// Settles statistics of `home` (whose lock the caller holds) that passed their limits,
     /// unless another thread is settling: that thread then settles them too. Allocates
     /// nothing; see [`stats`] for the two ways of settling.
@@ -240,6 +280,7 @@ impl DeviceAllocator {
     /// caller holds the settle lock and `home`'s lock.
     fn settle_from_donors(&self, home: &Shard) -> bool {
         home.stats.raise_top();
+        let mut wanted = home.stats.wanted();
         for donor in self.shards.iter() {
             if std::ptr::eq(donor, home) {
                 continue;
@@ -250,10 +291,12 @@ impl DeviceAllocator {
             if donor.stats.is_over() {
                 return false;
             }
-            if !home.stats.take_spare(&donor.stats) {
+            wanted = home.stats.take_spare(&donor.stats, wanted);
+            if wanted == 0 {
                 break;
             }
         }
+        home.stats.clear_covered();
         !home.stats.is_over() && !self.shards.iter().any(|s| s.stats.is_over())
     }
 
@@ -302,7 +345,7 @@ impl DeviceAllocator {
                 rounded,
                 size,
                 self.max_split_size,
-                &mut self.sink(shard),
+                &mut self.op_sink(shard),
             ) {
                 self.note(Action::Alloc, addr, size, stream);
                 return Ok(addr);
@@ -343,7 +386,7 @@ impl DeviceAllocator {
                 size,
                 self.max_split_size,
                 from_index,
-                &mut self.sink(shard),
+                &mut self.op_sink(shard),
             );
             self.note(Action::Alloc, addr, size, stream);
             return Ok(addr);
@@ -373,7 +416,13 @@ impl DeviceAllocator {
         DeviceCounters::bump(&self.counters.num_device_alloc);
         self.note(Action::SegmentAlloc, addr, seg, shard.stream);
         self.segments.write().insert(addr, (seg, shard.index));
-        Ok(inner.add_segment(addr, seg, pool, self.max_split_size, &mut self.sink(shard)))
+        Ok(inner.add_segment(
+            addr,
+            seg,
+            pool,
+            self.max_split_size,
+            &mut self.op_sink(shard),
+        ))
     }
 
     fn out_of_memory(&self, size: usize, reason: &str) -> Error {
@@ -428,7 +477,7 @@ impl DeviceAllocator {
             .and_then(|shard| {
                 let mut inner = shard.inner.lock_memo();
                 if let Some(requested) =
-                    inner.free_memo(ptr, self.max_split_size, &mut self.sink(shard))
+                    inner.free_memo(ptr, self.max_split_size, &mut self.op_sink(shard))
                 {
                     return Some(Err((shard, requested)));
                 }
@@ -471,7 +520,7 @@ impl DeviceAllocator {
         mut inner: MutexGuard<'a, ShardInner>,
         ptr: usize,
     ) -> Option<(&'a Shard, MutexGuard<'a, ShardInner>, u32)> {
-        let id = inner.unallocate(ptr, self.max_split_size, &mut self.sink(shard))?;
+        let id = inner.unallocate(ptr, self.max_split_size, &mut self.op_sink(shard))?;
         Some((shard, inner, id))
     }
 
@@ -484,7 +533,7 @@ impl DeviceAllocator {
         if inner.block(id).stream_uses.is_empty() {
             self.note_block(Action::FreeCompleted, shard, &inner, id);
             let candidate = inner.memo_candidate(id);
-            inner.release(id, &mut self.sink(shard));
+            inner.release(id, &mut self.op_sink(shard));
             if let Some(c) = candidate.filter(|_| !shard.private && self.pair_memo) {
                 inner.remember(c);
             }
@@ -536,7 +585,7 @@ impl DeviceAllocator {
         }
         if recorded.is_empty() {
             self.note_block(Action::FreeCompleted, shard, &inner, id);
-            inner.release(id, &mut self.sink(shard));
+            inner.release(id, &mut self.op_sink(shard));
         } else {
             inner.block_mut(id).events_left = recorded.len() as u32;
             inner.pending.extend(recorded.into_iter().map(|e| (e, id)));
@@ -634,7 +683,7 @@ impl DeviceAllocator {
         b.events_left -= 1;
         if b.events_left == 0 {
             self.note_block(Action::FreeCompleted, shard, inner, id);
-            inner.release(id, &mut self.sink(shard));
+            inner.release(id, &mut self.op_sink(shard));
         }
     }
 
@@ -664,7 +713,7 @@ impl DeviceAllocator {
             }
             let (addr, size) = (inner.block(id).addr, inner.block(id).size);
             self.driver.mem_free(self.device, addr)?;
-            inner.remove_segment(id, self.max_split_size, &mut self.sink(shard));
+            inner.remove_segment(id, self.max_split_size, &mut self.op_sink(shard));
             self.segments.write().remove(&addr);
             DeviceCounters::bump(&self.counters.num_device_free);
             self.note(Action::SegmentFree, addr, size, shard.stream);
