@@ -2,7 +2,8 @@
 //! runs, for a machine that other work shares (a single criterion figure hides the spread).
 //!
 //! `cargo bench --bench capi_runs [-- SECTION...]`, sections `pairs`, `threads` and `replay`
-//! (all by default); `CAPI_RUNS=N` sets the number of runs (default 10). Every run prints a
+//! (all by default); `CAPI_RUNS=N` sets the number of runs (default 10); the simulated device
+//! has 256 GiB unless `TENSORALLOC_SIM_MEMORY` says otherwise (valgrind cannot reserve that much). Every run prints a
 //! line, then each figure's minimum, median and maximum over the runs, with `uptime`'s load.
 //!
 //! - `pairs`: ns per cached 4 KiB pair: `tensoralloc_malloc`/`tensoralloc_free` on a stream
@@ -22,7 +23,7 @@
 //!   ns per call and per trace event.
 
 use std::collections::HashMap;
-use std::ffi::c_void;
+use std::ffi::{c_void, CStr};
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -32,6 +33,7 @@ mod common;
 use capi_work::{device_pair, glibc_pair, host_pair, populate_device, populate_host, stream};
 use common::{in_threads, thread_cpu};
 use tensoralloc::capi::device::{tensoralloc_empty_cache, tensoralloc_free, tensoralloc_malloc};
+use tensoralloc::capi::tensoralloc_last_error;
 use tensoralloc::device::history::Action;
 use tensoralloc::replay::snapshot;
 
@@ -207,11 +209,14 @@ fn replay() {
             // Streams of their own, so no earlier replay's cache serves this one.
             let base = ((i * 3 + round + 1) as u64) << 32;
             let mut ptrs: Vec<(*mut c_void, u64)> = vec![(std::ptr::null_mut(), 0); used];
+            let mut failed = 0u64;
             let t = thread_cpu();
             for &(alloc, slot, size, s) in &ops {
                 if alloc {
                     let s = base + s;
-                    ptrs[slot] = (tensoralloc_malloc(size, 0, stream(s as usize)), s);
+                    let p = tensoralloc_malloc(size, 0, stream(s as usize));
+                    failed += (p.is_null() && size > 0) as u64;
+                    ptrs[slot] = (p, s);
                 } else {
                     let (p, s) = ptrs[slot];
                     tensoralloc_free(p, 0, 0, stream(s as usize));
@@ -219,6 +224,11 @@ fn replay() {
                 }
             }
             best = best.min((thread_cpu() - t).as_nanos() as f64);
+            if failed > 0 {
+                // SAFETY: the last error is a NUL-terminated string owned by this thread.
+                let why = unsafe { CStr::from_ptr(tensoralloc_last_error()) };
+                panic!("{name}: {failed} allocations failed, the last: {why:?}");
+            }
             for &(p, s) in &ptrs {
                 tensoralloc_free(p, 0, 0, stream(s as usize));
             }
@@ -242,7 +252,9 @@ fn main() {
     // SAFETY: set before any thread starts or tensoralloc is called.
     unsafe {
         std::env::set_var("TENSORALLOC_DRIVER", "sim");
-        std::env::set_var("TENSORALLOC_SIM_MEMORY", "256GiB");
+        if std::env::var_os("TENSORALLOC_SIM_MEMORY").is_none() {
+            std::env::set_var("TENSORALLOC_SIM_MEMORY", "256GiB");
+        }
     }
     let args: Vec<String> = std::env::args()
         .skip(1)
