@@ -94,6 +94,22 @@ pub(crate) trait StatSink {
         self.change(aggregate(kind), delta);
         self.change(of_pool(kind, pool), delta);
     }
+
+    /// A decrease by `down` then an increase by `up` of statistic `index`, as one change
+    /// where the sink can make it so (the current value never passes the final one, so
+    /// the peak is the same; `up` still counts as allocated).
+    #[inline(always)]
+    fn down_up(&mut self, index: usize, down: i64, up: i64) {
+        self.change(index, -down);
+        self.change(index, up);
+    }
+
+    /// [`StatSink::down_up`] of a kind's aggregate and pool statistics.
+    #[inline(always)]
+    fn both_down_up(&mut self, kind: StatKind, pool: PoolKind, down: i64, up: i64) {
+        self.down_up(aggregate(kind), down, up);
+        self.down_up(of_pool(kind, pool), down, up);
+    }
 }
 
 /// How a block taken from a free index was (or will be) handed out: the block as it was in
@@ -145,17 +161,21 @@ impl Memo {
     #[inline(always)]
     fn allocation_stats(&self, requested: usize, max_split_size: usize, stats: &mut impl StatSink) {
         let pool = self.pool;
-        if self.was_split() {
-            stats.both(StatKind::InactiveSplit, pool, -1);
-            stats.both(StatKind::InactiveSplitBytes, pool, -(self.size as i64));
-        }
-        if self.split {
-            stats.both(StatKind::InactiveSplit, pool, 1);
-            stats.both(
-                StatKind::InactiveSplitBytes,
-                pool,
-                (self.size - self.rounded) as i64,
-            );
+        let rest = (self.size - self.rounded) as i64;
+        match (self.was_split(), self.split) {
+            (true, true) => {
+                stats.both_down_up(StatKind::InactiveSplit, pool, 1, 1);
+                stats.both_down_up(StatKind::InactiveSplitBytes, pool, self.size as i64, rest);
+            }
+            (true, false) => {
+                stats.both(StatKind::InactiveSplit, pool, -1);
+                stats.both(StatKind::InactiveSplitBytes, pool, -(self.size as i64));
+            }
+            (false, true) => {
+                stats.both(StatKind::InactiveSplit, pool, 1);
+                stats.both(StatKind::InactiveSplitBytes, pool, rest);
+            }
+            (false, false) => {}
         }
         let given = self.given();
         stats.both(StatKind::Allocation, pool, 1);
@@ -182,17 +202,21 @@ impl Memo {
         }
         stats.both(StatKind::Active, pool, -1);
         stats.both(StatKind::ActiveBytes, pool, -(given as i64));
-        if self.split {
-            stats.both(StatKind::InactiveSplit, pool, -1);
-            stats.both(
-                StatKind::InactiveSplitBytes,
-                pool,
-                -((self.size - self.rounded) as i64),
-            );
-        }
-        if self.was_split() {
-            stats.both(StatKind::InactiveSplit, pool, 1);
-            stats.both(StatKind::InactiveSplitBytes, pool, self.size as i64);
+        let rest = (self.size - self.rounded) as i64;
+        match (self.split, self.was_split()) {
+            (true, true) => {
+                stats.both_down_up(StatKind::InactiveSplit, pool, 1, 1);
+                stats.both_down_up(StatKind::InactiveSplitBytes, pool, rest, self.size as i64);
+            }
+            (true, false) => {
+                stats.both(StatKind::InactiveSplit, pool, -1);
+                stats.both(StatKind::InactiveSplitBytes, pool, -rest);
+            }
+            (false, true) => {
+                stats.both(StatKind::InactiveSplit, pool, 1);
+                stats.both(StatKind::InactiveSplitBytes, pool, self.size as i64);
+            }
+            (false, false) => {}
         }
     }
 }
