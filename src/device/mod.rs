@@ -359,7 +359,7 @@ impl DeviceAllocator {
                 rounded,
                 size,
                 self.max_split_size,
-                &mut self.op_sink(shard),
+                &mut self.sink(shard),
             ) {
                 self.note(Action::Alloc, addr, size, stream);
                 return Ok(addr);
@@ -491,7 +491,7 @@ impl DeviceAllocator {
             .and_then(|shard| {
                 let mut inner = shard.inner.lock_memo();
                 if let Some(requested) =
-                    inner.free_memo(ptr, self.max_split_size, &mut self.op_sink(shard))
+                    inner.free_memo(ptr, self.max_split_size, &mut self.sink(shard))
                 {
                     return Some(Err((shard, requested)));
                 }
