@@ -9,7 +9,8 @@
 //! - `pairs`: ns per cached 4 KiB pair: `tensoralloc_malloc`/`tensoralloc_free` on a stream
 //!   that served 600 mixed allocations on four streams (all freed again, so the cache holds
 //!   blocks), glibc's `malloc`/`free` in the same run, their ratio, and
-//!   `tensoralloc_host_malloc`/`tensoralloc_host_free` after four threads churned blocks.
+//!   `tensoralloc_host_malloc`/`tensoralloc_host_free` after four threads churned blocks; each
+//!   as wall time and as the thread's CPU time.
 //! - `threads`: 1, 2 and 4 threads, each on its own stream (device) or its own shard (host),
 //!   doing cached pairs; each thread does one pair before the measured region (the first use
 //!   of a stream makes its shard and takes a segment from the driver). Reported per N: wall
@@ -37,13 +38,14 @@ use tensoralloc::capi::tensoralloc_last_error;
 use tensoralloc::device::history::Action;
 use tensoralloc::replay::snapshot;
 
-/// Nanoseconds per call of `f`, over `n` calls.
-fn ns_per(n: u64, f: impl Fn()) -> f64 {
-    let t = Instant::now();
+/// Nanoseconds per call of `f` over `n` calls: wall clock and the thread's CPU time.
+fn ns_per(n: u64, f: impl Fn()) -> (f64, f64) {
+    let (t, cpu) = (Instant::now(), thread_cpu());
     for _ in 0..n {
         f();
     }
-    t.elapsed().as_nanos() as f64 / n as f64
+    let cpu = (thread_cpu() - cpu).as_nanos() as f64 / n as f64;
+    (t.elapsed().as_nanos() as f64 / n as f64, cpu)
 }
 
 /// Minimum, median and maximum.
@@ -84,10 +86,11 @@ fn pairs() {
     let s = stream(streams[0]);
     device_pair(s);
     host_pair();
-    let (mut dev, mut glibc, mut ratio, mut host, mut host_ratio) =
-        (vec![], vec![], vec![], vec![], vec![]);
+    // Wall clock, then the thread's CPU time (the figure to read when other work takes the
+    // cores: wall time also counts time the thread waited for one).
+    let mut figures: [[Vec<f64>; 5]; 2] = Default::default();
     println!(
-        "pairs ({N} per figure per run; ns per pair; load {})",
+        "pairs ({N} per figure per run; ns per pair, wall / CPU; load {})",
         uptime()
     );
     for run in 1..=runs() {
@@ -95,21 +98,24 @@ fn pairs() {
         let g = ns_per(N, glibc_pair);
         let h = ns_per(N, host_pair);
         println!(
-            "  run {run:2}: device {d:6.1}  glibc {g:6.1}  device/glibc {:5.2}  host {h:6.1}  host/glibc {:5.2}",
-            d / g,
-            h / g
+            "  run {run:2}: device {:5.1} / {:5.1}  glibc {:5.1} / {:5.1}  device/glibc {:4.2} / {:4.2}  host {:5.1} / {:5.1}  host/glibc {:4.2} / {:4.2}",
+            d.0, d.1, g.0, g.1, d.0 / g.0, d.1 / g.1, h.0, h.1, h.0 / g.0, h.1 / g.1
         );
-        dev.push(d);
-        glibc.push(g);
-        ratio.push(d / g);
-        host.push(h);
-        host_ratio.push(h / g);
+        for (k, (d, g, h)) in [(d.0, g.0, h.0), (d.1, g.1, h.1)].into_iter().enumerate() {
+            for (v, x) in figures[k].iter_mut().zip([d, g, d / g, h, h / g]) {
+                v.push(x);
+            }
+        }
     }
-    println!("  device pair (populated) ns: {}", spread(&dev));
-    println!("  glibc pair ns:              {}", spread(&glibc));
-    println!("  device / glibc:             {}", spread(&ratio));
-    println!("  host pair ns:               {}", spread(&host));
-    println!("  host / glibc:               {}", spread(&host_ratio));
+    for (k, clock) in ["wall", "CPU"].into_iter().enumerate() {
+        let [dev, glibc, ratio, host, host_ratio] = &figures[k];
+        println!("  {clock}:");
+        println!("    device pair (populated) ns: {}", spread(dev));
+        println!("    glibc pair ns:              {}", spread(glibc));
+        println!("    device / glibc:             {}", spread(ratio));
+        println!("    host pair ns:               {}", spread(host));
+        println!("    host / glibc:               {}", spread(host_ratio));
+    }
     println!("  load after: {}", uptime());
 }
 
