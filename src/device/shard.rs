@@ -139,15 +139,13 @@ pub(crate) struct Memo {
     pub rounded: usize,
     /// Whether the rest of the block is split off.
     pub split: bool,
+    /// Whether the block was part of a split segment (it had neighbours).
+    pub was_split: bool,
     /// The pool's free-index generation after the malloc (candidates) or the free (memos).
     pub generation: u64,
 }
 
 impl Memo {
-    fn was_split(&self) -> bool {
-        self.prev != NONE || self.next != NONE
-    }
-
     /// The size of the allocated block.
     fn given(&self) -> usize {
         if self.split {
@@ -162,7 +160,7 @@ impl Memo {
     fn allocation_stats(&self, requested: usize, max_split_size: usize, stats: &mut impl StatSink) {
         let pool = self.pool;
         let rest = (self.size - self.rounded) as i64;
-        match (self.was_split(), self.split) {
+        match (self.was_split, self.split) {
             (true, true) => {
                 stats.both_down_up(StatKind::InactiveSplit, pool, 1, 1);
                 stats.both_down_up(StatKind::InactiveSplitBytes, pool, self.size as i64, rest);
@@ -203,7 +201,7 @@ impl Memo {
         stats.both(StatKind::Active, pool, -1);
         stats.both(StatKind::ActiveBytes, pool, -(given as i64));
         let rest = (self.size - self.rounded) as i64;
-        match (self.split, self.was_split()) {
+        match (self.split, self.was_split) {
             (true, true) => {
                 stats.both_down_up(StatKind::InactiveSplit, pool, 1, 1);
                 stats.both_down_up(StatKind::InactiveSplitBytes, pool, rest, self.size as i64);
@@ -409,6 +407,7 @@ impl ShardInner {
             exp: b.exp,
             rounded,
             split,
+            was_split: b.prev != NONE || b.next != NONE,
             generation: 0,
         }
     }
