@@ -12,7 +12,7 @@
 
 use std::cell::Cell;
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
-use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
 
 use tensoralloc::driver::Stream;
 use tensoralloc::Error;
@@ -33,33 +33,37 @@ thread_local! {
     static BYPASS: Cell<u32> = const { Cell::new(0) };
 }
 
+/// Threads inside a real runtime function now: while there are none, no hook needs to look at
+/// its thread's `BYPASS` (thread-local storage costs a call in a shared library).
+static IN_REAL_RUNTIME: AtomicUsize = AtomicUsize::new(0);
+
+#[inline]
 fn bypassed() -> bool {
-    BYPASS.with(|b| b.get() != 0)
+    IN_REAL_RUNTIME.load(Relaxed) != 0 && BYPASS.with(|b| b.get() != 0)
 }
 
 /// Runs a real runtime function with the driver hooks out of the way.
 fn through<T>(f: impl FnOnce() -> T) -> T {
     BYPASS.with(|b| b.set(b.get() + 1));
+    IN_REAL_RUNTIME.fetch_add(1, Relaxed);
     let r = f();
+    IN_REAL_RUNTIME.fetch_sub(1, Relaxed);
     BYPASS.with(|b| b.set(b.get() - 1));
     r
 }
 
 /// The state when this call should be served.
+#[inline]
 fn serving() -> Option<&'static State> {
-    if bypassed() || !crate::enabled() {
-        return None;
-    }
-    State::get()
+    let s = State::serving()?;
+    (!bypassed()).then_some(s)
 }
 
 /// The state when a free should be checked: also inside a real runtime call, since the
 /// runtime may free there a block it got from the hooks earlier.
+#[inline]
 fn serving_frees() -> Option<&'static State> {
-    if !crate::enabled() {
-        return None;
-    }
-    State::get()
+    State::serving()
 }
 
 /// Runs a hook body; a panic becomes `UNKNOWN` (999) instead of unwinding into C.
@@ -209,9 +213,18 @@ fn host_alloc(state: &State, out: *mut *mut c_void, size: usize, flags: c_uint) 
     if flags & !SERVED_HOST_FLAGS != 0 {
         return None;
     }
-    Some(match state.host().malloc(size) {
+    // Blocks freed earlier wait in the devices' batches.
+    state.reclaim_for_host(false);
+    let r = match state.host().malloc(size) {
+        Err(Error::OutOfMemory(_)) => {
+            state.reclaim_for_host(true);
+            state.host().malloc(size)
+        }
+        other => other,
+    };
+    Some(match r {
         Ok(b) => {
-            state.host_live.insert(b.ptr, b.ctx);
+            state.host_handed_out(b.ptr, b.ctx, size);
             state.host_known.insert(b.ptr, ());
             state.counters.host_served.fetch_add(1, Relaxed);
             // SAFETY: checked non-NULL by the hook.
@@ -223,21 +236,22 @@ fn host_alloc(state: &State, out: *mut *mut c_void, size: usize, flags: c_uint) 
 }
 
 /// Returns pinned memory to the cache once the work already queued on the current device's
-/// legacy stream and non-blocking streams is done; `None` when the pointer is not ours.
+/// legacy stream and non-blocking streams is done (it joins the device's batch of frees);
+/// `None` when the pointer is not ours.
 fn host_free(state: &State, call: &str, ptr: usize) -> Option<Status> {
-    let Some(ctx) = state.host_live.remove(ptr) else {
-        return state.host_known.remove(ptr).map(|()| {
-            state.host_known.insert(ptr, ());
-            invalid_free(state, call, ptr)
-        });
+    let Some(ctx) = state.take_host_live(ptr) else {
+        return state
+            .host_known
+            .contains(ptr)
+            .then(|| invalid_free(state, call, ptr));
     };
+    if let Some(d) = state.current_device() {
+        state.free_host_deferred(d, ptr, ctx);
+        return Some(SUCCESS);
+    }
+    // No context on this thread: an event on the legacy stream guards the block alone.
     let host = state.host();
     host.record_event(ptr, Some(ctx), 0);
-    if let Some(d) = state.current_device() {
-        for s in d.nonblocking_streams() {
-            host.record_event(ptr, Some(ctx), s);
-        }
-    }
     Some(match host.free(ptr, Some(ctx)) {
         Ok(()) => SUCCESS,
         Err(e) => status_of(e),
@@ -269,7 +283,7 @@ fn note_stream_created(state: &State, d: Option<&Device>, stream: CuStream, flag
 }
 
 fn note_stream_destroyed(stream: CuStream) {
-    crate::state::stream_destroyed();
+    crate::state::stream_destroyed(stream as Stream);
     if let Some(state) = serving() {
         for d in state.devices() {
             d.remove_stream(stream as Stream);
