@@ -39,7 +39,14 @@ static IN_REAL_RUNTIME: AtomicUsize = AtomicUsize::new(0);
 
 #[inline]
 fn bypassed() -> bool {
-    IN_REAL_RUNTIME.load(Relaxed) != 0 && BYPASS.with(|b| b.get() != 0)
+    IN_REAL_RUNTIME.load(Relaxed) != 0 && bypassed_here()
+}
+
+/// Out of line, so that the thread-local address is not computed ahead of the check above.
+#[cold]
+#[inline(never)]
+fn bypassed_here() -> bool {
+    BYPASS.with(|b| b.get() != 0)
 }
 
 /// Runs a real runtime function with the driver hooks out of the way.
