@@ -213,6 +213,52 @@ mod tests {
         assert_eq!(t.overflowed.load(Relaxed), 0);
     }
 
+    /// `n` addresses that all have the same home group as `0x7f00_0000_0000`.
+    fn same_group(t: &LiveTable, n: usize) -> Vec<usize> {
+        let home = t.group(0x7f00_0000_0000);
+        (0..)
+            .map(|i| 0x7f00_0000_0000 + i * 512)
+            .filter(|&p| std::ptr::eq(t.group(p), home))
+            .take(n)
+            .collect()
+    }
+
+    #[test]
+    fn threads_inserting_and_removing_in_one_group_never_lose_or_duplicate_an_entry() {
+        const THREADS: usize = 4;
+        const PER_THREAD: usize = 6;
+        const ROUNDS: usize = 3000;
+        let t = LiveTable::new();
+        // 24 addresses for 8 slots: the threads race for the same slots, and some of the
+        // entries go to the overflow map.
+        let ptrs = same_group(&t, THREADS * PER_THREAD);
+        let taken = std::sync::atomic::AtomicUsize::new(0);
+        std::thread::scope(|s| {
+            for (id, mine) in ptrs.chunks(PER_THREAD).enumerate() {
+                let (t, taken) = (&t, &taken);
+                s.spawn(move || {
+                    for round in 0..ROUNDS {
+                        let value =
+                            |k: usize| live(id << 32 | round << 8 | k, 512 * (k + 1), id as u8);
+                        for (k, &p) in mine.iter().enumerate() {
+                            t.insert(p, value(k));
+                        }
+                        for (k, &p) in mine.iter().enumerate().rev() {
+                            assert_eq!(t.remove(p), Some(value(k)), "thread {id} round {round}");
+                            assert_eq!(t.remove(p), None, "thread {id} round {round}");
+                            taken.fetch_add(1, Relaxed);
+                        }
+                    }
+                });
+            }
+        });
+        assert_eq!(taken.load(Relaxed), THREADS * PER_THREAD * ROUNDS);
+        assert_eq!(t.overflowed.load(Relaxed), 0);
+        for p in ptrs {
+            assert_eq!(t.remove(p), None);
+        }
+    }
+
     #[test]
     fn racing_removals_of_one_entry_take_it_once() {
         let t = LiveTable::new();
