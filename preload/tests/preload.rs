@@ -24,7 +24,13 @@ fn built(name: &str) -> PathBuf {
     p
 }
 
+/// The library `cargo test` just built (`deps/`: it does not copy a cdylib up to the profile
+/// directory, where `cargo build` puts it).
 fn preload_lib() -> PathBuf {
+    let fresh = profile_dir().join("deps/libtensoralloc_preload.so");
+    if fresh.is_file() {
+        return fresh;
+    }
     built("libtensoralloc_preload.so")
 }
 
@@ -215,6 +221,45 @@ fn a_freed_block_waits_for_work_queued_before_the_free() {
         [
             "result: reused while the legacy stream is busy: no",
             "result: reused once it completed: yes"
+        ],
+        "{}{}",
+        r.stdout,
+        r.stderr
+    );
+}
+
+#[test]
+fn pinned_host_frees_share_one_marker_per_batch_and_their_blocks_come_back() {
+    let (plain, preloaded) = both("driver_direct", &["host-batch"]);
+    assert_eq!(plain.count("host batch host_alloc"), 64);
+    // 64 frees, one batch: one marker on the legacy stream (no non-blocking stream exists).
+    assert_eq!(
+        preloaded.count("host batch event_records"),
+        1,
+        "{}",
+        preloaded.stdout
+    );
+    assert!(
+        preloaded.count("host batch events_created") <= 1,
+        "{}",
+        preloaded.stdout
+    );
+    assert_eq!(
+        preloaded.count("host batch host_alloc"),
+        0,
+        "{}",
+        preloaded.stdout
+    );
+}
+
+#[test]
+fn a_freed_pinned_block_waits_for_work_queued_before_the_free() {
+    let r = run(&program("driver_direct"), &["host-marker"], true);
+    assert_eq!(
+        r.results(),
+        [
+            "result: pinned block reused while the legacy stream is busy: no",
+            "result: pinned block reused once it completed: yes"
         ],
         "{}{}",
         r.stdout,

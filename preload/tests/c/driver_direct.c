@@ -9,6 +9,9 @@
  *   marker       a block freed while the legacy stream is held is not reused until released
  *   fork         allocates, forks a child that allocates and frees, then allocates again
  *   threads      four threads with their own pairs and live blocks
+ *   host-batch   frees 64 pinned blocks, then allocates 64 again: markers and driver calls
+ *   host-marker  a pinned block freed while the legacy stream is held is not reused until
+ *                released
  */
 #define _GNU_SOURCE
 #include <cuda.h>
@@ -188,6 +191,47 @@ static int fork_mode(void) {
     return 0;
 }
 
+static int host_batch(void) {
+    void *h[64];
+    for (int i = 0; i < 64; i++) CHECK(cuMemHostAlloc(&h[i], 4096, 0));
+    unsigned long long records = counter("event_records");
+    unsigned long long created = counter("events_created");
+    for (int i = 0; i < 64; i++) CHECK(cuMemFreeHost(h[i]));
+    unsigned long long allocs = counter("host_alloc");
+    for (int i = 0; i < 64; i++) CHECK(cuMemHostAlloc(&h[i], 4096, 0));
+    printf("count: host batch event_records %llu\n", counter("event_records") - records);
+    printf("count: host batch events_created %llu\n", counter("events_created") - created);
+    printf("count: host batch host_alloc %llu\n", counter("host_alloc") - allocs);
+    for (int i = 0; i < 64; i++) CHECK(cuMemFreeHost(h[i]));
+    printf("result: host batch done\n");
+    return 0;
+}
+
+/* The blocks allocated meanwhile stay live, so the freed block is the only one the cache could
+ * hand out. */
+static int host_marker(void) {
+    void *p, *q[100], *r[100];
+    control("fakecuda_hold_stream", (CUstream)0);
+    CHECK(cuMemHostAlloc(&p, 4096, 0));
+    CHECK(cuMemFreeHost(p));
+    int reused = 0;
+    for (int i = 0; i < 100; i++) {
+        CHECK(cuMemHostAlloc(&q[i], 4096, 0));
+        if (q[i] == p) reused = 1;
+    }
+    printf("result: pinned block reused while the legacy stream is busy: %s\n", reused ? "yes" : "no");
+    control("fakecuda_release_stream", (CUstream)0);
+    int reused_after = 0, n = 0;
+    while (n < 100 && !reused_after) {
+        CHECK(cuMemHostAlloc(&r[n], 4096, 0));
+        if (r[n++] == p) reused_after = 1;
+    }
+    printf("result: pinned block reused once it completed: %s\n", reused_after ? "yes" : "no");
+    for (int i = 0; i < 100; i++) CHECK(cuMemFreeHost(q[i]));
+    for (int i = 0; i < n; i++) CHECK(cuMemFreeHost(r[i]));
+    return 0;
+}
+
 static void *thread_main(void *arg) {
     int id = (int)(intptr_t)arg;
     CHECK(cuCtxSetCurrent(ctx));
@@ -224,6 +268,8 @@ int main(int argc, char **argv) {
     if (!strcmp(mode, "marker")) return marker();
     if (!strcmp(mode, "fork")) return fork_mode();
     if (!strcmp(mode, "threads")) return threads();
+    if (!strcmp(mode, "host-batch")) return host_batch();
+    if (!strcmp(mode, "host-marker")) return host_marker();
     fprintf(stderr, "unknown mode %s\n", mode);
     return 2;
 }
