@@ -331,26 +331,55 @@ pub unsafe extern "C" fn cuMemFree_v2(dptr: u64) -> Status {
     })
 }
 
-fn mem_alloc_async(dptr: *mut u64, bytesize: usize, stream: Stream) -> Option<Status> {
+/// A stream-ordered allocation (`current`: how the call finds its device for the special
+/// streams); `None` when it passes through.
+fn serve_alloc_async(
+    out: *mut usize,
+    size: usize,
+    stream: Stream,
+    current: impl FnOnce(&State) -> Option<&Device>,
+) -> Option<Status> {
     let s = serving()?;
-    if !dptr.is_null() && bytesize != 0 {
-        if let Some((d, key)) = stream_target(s, stream, State::current_device) {
-            return Some(alloc_async(s, d, key, dptr.cast(), bytesize));
+    if !out.is_null() && size != 0 {
+        if let Some((d, key)) = stream_target(s, stream, current) {
+            return Some(alloc_async(s, d, key, out, size));
         }
     }
     s.passed();
     None
 }
 
-fn mem_free_async(dptr: u64, stream: Stream) -> Option<Status> {
-    let s = serving_frees()?;
-    if dptr != 0 {
-        if let Some(r) = free_async(s, "cuMemFreeAsync", dptr as usize, stream) {
+/// A stream-ordered free; `None` when it passes through.
+fn serve_free_async(
+    state: Option<&State>,
+    call: &str,
+    ptr: usize,
+    stream: Stream,
+) -> Option<Status> {
+    let s = state?;
+    if ptr != 0 {
+        if let Some(r) = free_async(s, call, ptr, stream) {
             return Some(r);
         }
     }
     s.passed();
     None
+}
+
+fn mem_alloc_async(dptr: *mut u64, bytesize: usize, stream: Stream) -> Option<Status> {
+    serve_alloc_async(dptr.cast(), bytesize, stream, State::current_device)
+}
+
+fn mem_free_async(dptr: u64, stream: Stream) -> Option<Status> {
+    serve_free_async(serving_frees(), "cuMemFreeAsync", dptr as usize, stream)
+}
+
+fn runtime_malloc_async(dev_ptr: *mut *mut c_void, size: usize, stream: Stream) -> Option<Status> {
+    serve_alloc_async(dev_ptr.cast(), size, stream, runtime_device)
+}
+
+fn runtime_free_async(dev_ptr: *mut c_void, stream: Stream) -> Option<Status> {
+    serve_free_async(serving(), "cudaFreeAsync", dev_ptr as usize, stream)
 }
 
 #[no_mangle]
@@ -381,12 +410,7 @@ pub unsafe extern "C" fn cuMemAllocAsync_ptsz(
     hStream: CuStream,
 ) -> Status {
     boundary(|| {
-        let stream = if hStream.is_null() {
-            STREAM_PER_THREAD
-        } else {
-            hStream as Stream
-        };
-        mem_alloc_async(dptr, bytesize, stream)
+        mem_alloc_async(dptr, bytesize, per_thread(hStream))
             .unwrap_or_else(|| real_or!(cuMemAllocAsync_ptsz(dptr, bytesize, hStream), UNKNOWN))
     })
 }
@@ -395,12 +419,7 @@ pub unsafe extern "C" fn cuMemAllocAsync_ptsz(
 #[no_mangle]
 pub unsafe extern "C" fn cuMemFreeAsync_ptsz(dptr: u64, hStream: CuStream) -> Status {
     boundary(|| {
-        let stream = if hStream.is_null() {
-            STREAM_PER_THREAD
-        } else {
-            hStream as Stream
-        };
-        mem_free_async(dptr, stream)
+        mem_free_async(dptr, per_thread(hStream))
             .unwrap_or_else(|| real_or!(cuMemFreeAsync_ptsz(dptr, hStream), UNKNOWN))
     })
 }
@@ -627,6 +646,15 @@ pub unsafe extern "C" fn cudaFree(devPtr: *mut c_void) -> Status {
     })
 }
 
+/// The stream a `_ptsz` call means: its NULL stream is the calling thread's default stream.
+fn per_thread(stream: CuStream) -> Stream {
+    if stream.is_null() {
+        STREAM_PER_THREAD
+    } else {
+        stream as Stream
+    }
+}
+
 #[no_mangle]
 pub unsafe extern "C" fn cudaMallocAsync(
     devPtr: *mut *mut c_void,
@@ -634,31 +662,41 @@ pub unsafe extern "C" fn cudaMallocAsync(
     hStream: CuStream,
 ) -> Status {
     boundary(|| {
-        if let Some(s) = serving() {
-            if !devPtr.is_null() && size != 0 {
-                if let Some((d, key)) = stream_target(s, hStream as Stream, runtime_device) {
-                    return alloc_async(s, d, key, devPtr.cast(), size);
-                }
-            }
-            s.passed();
-        }
-        through(|| real_or!(cudaMallocAsync(devPtr, size, hStream), UNKNOWN))
+        runtime_malloc_async(devPtr, size, hStream as Stream).unwrap_or_else(|| {
+            through(|| real_or!(cudaMallocAsync(devPtr, size, hStream), UNKNOWN))
+        })
     })
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn cudaFreeAsync(devPtr: *mut c_void, hStream: CuStream) -> Status {
     boundary(|| {
-        if let Some(s) = serving() {
-            if !devPtr.is_null() {
-                if let Some(r) = free_async(s, "cudaFreeAsync", devPtr as usize, hStream as Stream)
-                {
-                    return r;
-                }
-            }
-            s.passed();
-        }
-        through(|| real_or!(cudaFreeAsync(devPtr, hStream), UNKNOWN))
+        runtime_free_async(devPtr, hStream as Stream)
+            .unwrap_or_else(|| through(|| real_or!(cudaFreeAsync(devPtr, hStream), UNKNOWN)))
+    })
+}
+
+/// `cudaMallocAsync` of a program built with `--default-stream per-thread`
+/// (`CUDA_API_PER_THREAD_DEFAULT_STREAM`).
+#[no_mangle]
+pub unsafe extern "C" fn cudaMallocAsync_ptsz(
+    devPtr: *mut *mut c_void,
+    size: usize,
+    hStream: CuStream,
+) -> Status {
+    boundary(|| {
+        runtime_malloc_async(devPtr, size, per_thread(hStream)).unwrap_or_else(|| {
+            through(|| real_or!(cudaMallocAsync_ptsz(devPtr, size, hStream), UNKNOWN))
+        })
+    })
+}
+
+/// `cudaFreeAsync` of a program built with `--default-stream per-thread`.
+#[no_mangle]
+pub unsafe extern "C" fn cudaFreeAsync_ptsz(devPtr: *mut c_void, hStream: CuStream) -> Status {
+    boundary(|| {
+        runtime_free_async(devPtr, per_thread(hStream))
+            .unwrap_or_else(|| through(|| real_or!(cudaFreeAsync_ptsz(devPtr, hStream), UNKNOWN)))
     })
 }
 

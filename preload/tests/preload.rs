@@ -64,34 +64,81 @@ fn cuda_include() -> PathBuf {
     dir
 }
 
-/// Compiles `tests/c/<name>.c` once per test run.
-fn program(name: &'static str) -> PathBuf {
+fn c_source(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(format!("tests/c/{name}.c"))
+}
+
+/// Runs the C compiler with the project's warnings and NVIDIA's headers.
+fn compile(what: &str, args: impl IntoIterator<Item = std::ffi::OsString>) {
+    let out = Command::new(std::env::var("CC").unwrap_or_else(|_| "cc".into()))
+        .args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-O1", "-I"])
+        .arg(cuda_include())
+        .args(args)
+        .output()
+        .expect("run the C compiler");
+    assert!(
+        out.status.success(),
+        "{what} does not compile:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// `libcudart.so` on the fake driver: `tests/c/fake_cudart.c`, next to the fake driver.
+fn fake_runtime() {
+    static BUILT: OnceLock<()> = OnceLock::new();
+    BUILT.get_or_init(|| {
+        let dir = fake_dir();
+        compile(
+            "fake_cudart.c",
+            [
+                "-shared".into(),
+                "-fPIC".into(),
+                "-o".into(),
+                dir.join("libcudart.so").into_os_string(),
+                c_source("fake_cudart").into_os_string(),
+                "-L".into(),
+                dir.as_os_str().to_owned(),
+                "-lcuda".into(),
+            ],
+        );
+    });
+}
+
+/// Compiles `tests/c/<source>.c` as `<exe>` with `defines`, once per test run.
+fn program_variant(source: &str, exe: &'static str, defines: &[&str]) -> PathBuf {
     static BUILT: OnceLock<std::sync::Mutex<Vec<(&'static str, PathBuf)>>> = OnceLock::new();
     let built = BUILT.get_or_init(Default::default);
     let mut built = built.lock().unwrap();
-    if let Some((_, p)) = built.iter().find(|(n, _)| *n == name) {
+    if let Some((_, p)) = built.iter().find(|(n, _)| *n == exe) {
         return p.clone();
     }
-    let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(format!("tests/c/{name}.c"));
-    let exe = profile_dir().join("preload-tests").join(name);
-    let mut cmd = Command::new(std::env::var("CC").unwrap_or_else(|_| "cc".into()));
-    cmd.args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-O1", "-o"])
-        .arg(&exe)
-        .arg(&src)
-        .arg("-I")
-        .arg(cuda_include());
-    if name == "driver_direct" {
-        cmd.arg("-L").arg(fake_dir()).arg("-lcuda");
+    let path = profile_dir().join("preload-tests").join(exe);
+    let mut args: Vec<std::ffi::OsString> = defines.iter().map(Into::into).collect();
+    args.extend([
+        "-o".into(),
+        path.clone().into_os_string(),
+        c_source(source).into(),
+    ]);
+    let dir = fake_dir().as_os_str().to_owned();
+    match source {
+        "driver_direct" => args.extend(["-L".into(), dir, "-lcuda".into()]),
+        "runtime_async" => {
+            fake_runtime();
+            let mut rpath_link = std::ffi::OsString::from("-Wl,-rpath-link,");
+            rpath_link.push(&dir);
+            args.extend(["-L".into(), dir, rpath_link, "-lcudart".into()]);
+        }
+        _ => {}
     }
-    cmd.args(["-ldl", "-lpthread"]);
-    let out = cmd.output().expect("run the C compiler");
-    assert!(
-        out.status.success(),
-        "{name}.c does not compile:\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    built.push((name, exe.clone()));
-    exe
+    args.extend(["-ldl".into(), "-lpthread".into()]);
+    compile(&format!("{source}.c"), args);
+    built.push((exe, path.clone()));
+    path
+}
+
+/// Compiles `tests/c/<name>.c` once per test run.
+fn program(name: &'static str) -> PathBuf {
+    program_variant(name, name, &[])
 }
 
 struct Run {
@@ -153,9 +200,12 @@ fn run(exe: &Path, args: &[&str], preload: bool) -> Run {
 
 /// Runs without and with the preload; the results must agree.
 fn both(name: &'static str, args: &[&str]) -> (Run, Run) {
-    let exe = program(name);
-    let plain = run(&exe, args, false);
-    let preloaded = run(&exe, args, true);
+    both_at(&program(name), args)
+}
+
+fn both_at(exe: &Path, args: &[&str]) -> (Run, Run) {
+    let plain = run(exe, args, false);
+    let preloaded = run(exe, args, true);
     assert!(!plain.results().is_empty(), "no results:\n{}", plain.stdout);
     assert_eq!(
         plain.results(),
@@ -193,6 +243,60 @@ fn a_driver_api_program_gets_the_same_results_and_cached_allocations() {
 fn a_program_reaching_the_driver_through_cu_get_proc_address_is_served_too() {
     let (plain, preloaded) = both("procaddr", &[]);
     assert_cached(&plain, &preloaded, 1_000);
+}
+
+/// A runtime API program's allocations are served by the runtime hooks (none reaches the
+/// runtime) and cached (at most 2 reach the driver).
+fn assert_runtime_served(plain: &Run, preloaded: &Run) {
+    for what in ["sync pairs", "null stream pairs", "stream pairs"] {
+        let (allocs, calls) = (format!("{what} mem_alloc"), format!("{what} runtime_calls"));
+        assert_eq!(plain.count(&allocs), 10_000, "{}", plain.stdout);
+        assert_eq!(plain.count(&calls), 20_000, "{}", plain.stdout);
+        assert!(
+            preloaded.count(&allocs) <= 2,
+            "{what}:\n{}",
+            preloaded.stdout
+        );
+        assert_eq!(preloaded.count(&calls), 0, "{what}:\n{}", preloaded.stdout);
+    }
+}
+
+#[test]
+fn a_runtime_api_program_gets_the_same_results_and_cached_allocations() {
+    let exe = program_variant("runtime_async", "runtime_async", &[]);
+    let (plain, preloaded) = both_at(&exe, &["pairs"]);
+    assert_runtime_served(&plain, &preloaded);
+}
+
+#[test]
+fn the_per_thread_default_stream_runtime_calls_are_served_too() {
+    let exe = program_variant(
+        "runtime_async",
+        "runtime_async_ptsz",
+        &["-DCUDA_API_PER_THREAD_DEFAULT_STREAM"],
+    );
+    let (plain, preloaded) = both_at(&exe, &["pairs"]);
+    assert!(plain
+        .results()
+        .contains(&"result: per-thread default stream"));
+    assert_runtime_served(&plain, &preloaded);
+}
+
+#[test]
+fn threads_sharing_the_per_thread_default_stream_handle_get_disjoint_blocks() {
+    let exe = program_variant(
+        "runtime_async",
+        "runtime_async_ptsz",
+        &["-DCUDA_API_PER_THREAD_DEFAULT_STREAM"],
+    );
+    let r = run(&exe, &["threads"], true);
+    assert!(
+        r.results()
+            .contains(&"result: threads saw only their own data: yes"),
+        "{}{}",
+        r.stdout,
+        r.stderr
+    );
 }
 
 #[test]
