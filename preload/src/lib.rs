@@ -6,6 +6,7 @@
 //!   runtime finds the driver's `cuGetProcAddress`;
 //! - `state`: the allocators, the deferred frees that give `cudaFree` its synchronous meaning,
 //!   and the statistics;
+//! - `front`: blocks freed in stream order, kept for the next allocation on their stream;
 //! - `live`: the pointers handed out.
 //!
 //! Nothing happens at load time: the first CUDA call builds the state (and with it loads the
@@ -18,6 +19,7 @@
 
 use std::sync::atomic::{AtomicU8, Ordering};
 
+mod front;
 pub mod hooks;
 mod live;
 mod real;

@@ -13,6 +13,8 @@
 //!   allocated on is reused there at once, on other streams after an event.
 //! - Blocks synchronous allocations hand out belong to a pool of their own ([`SYNC_POOL`]), so
 //!   stream-ordered reuse never hands them to a stream early.
+//! - A block freed in stream order on its own stream is kept aside for the next allocation of
+//!   its size on that stream ([`crate::front`]), without going through the allocator.
 //! - `cudaFreeHost`/`cuMemFreeHost` blocks join the same batches (of the calling thread's
 //!   current device): they return to the pinned cache when the batch's markers have completed.
 //!
@@ -36,6 +38,7 @@ use tensoralloc::driver::{Driver, Event, Stream};
 use tensoralloc::host::HostAllocator;
 use tensoralloc::Error;
 
+use crate::front::{self, Front};
 use crate::live::{Live, LiveTable, PtrMap, HOST};
 use crate::real::{self, CuContext, Status};
 
@@ -129,6 +132,8 @@ pub struct Device {
     poll_tick: AtomicU32,
     /// The open batch holds pinned blocks.
     host_waiting: AtomicBool,
+    /// Blocks freed in stream order, kept for their stream.
+    front: Front,
 }
 
 /// Everything the hooks share.
@@ -269,6 +274,7 @@ impl State {
                     close_due: AtomicBool::new(false),
                     poll_tick: AtomicU32::new(0),
                     host_waiting: AtomicBool::new(false),
+                    front: Front::new(),
                 })
             })
             .map_err(|e| {
@@ -387,10 +393,7 @@ impl State {
             d.maybe_reclaim(self);
         }
         let ptr = match d.alloc.malloc(size, SYNC_POOL) {
-            Err(Error::OutOfMemory(_)) if d.pending.load(Relaxed) != 0 => {
-                d.reclaim(self, Reclaim::All);
-                d.alloc.malloc(size, SYNC_POOL)?
-            }
+            Err(Error::OutOfMemory(_)) if d.make_room(self) => d.alloc.malloc(size, SYNC_POOL)?,
             other => other?,
         };
         self.handed_out(d, ptr, size, SYNC_POOL);
@@ -405,11 +408,14 @@ impl State {
         size: usize,
         stream: Stream,
     ) -> tensoralloc::Result<usize> {
-        let ptr = match d.alloc.malloc(size, stream) {
-            Err(Error::OutOfMemory(_)) if d.pending.load(Relaxed) != 0 => {
-                d.reclaim(self, Reclaim::All);
-                d.alloc.malloc(size, stream)?
+        if size <= front::MAX_BYTES {
+            if let Some(ptr) = d.front.take(stream, size) {
+                self.handed_out(d, ptr, size, stream);
+                return Ok(ptr);
             }
+        }
+        let ptr = match d.alloc.malloc(size, stream) {
+            Err(Error::OutOfMemory(_)) if d.make_room(self) => d.alloc.malloc(size, stream)?,
             other => other?,
         };
         self.handed_out(d, ptr, size, stream);
@@ -500,6 +506,12 @@ impl State {
             .ok_or_else(|| Error::Internal(format!("device {} vanished", live.device)))?;
         if stream != live.pool {
             d.alloc.record_stream(ptr, stream)?;
+        } else if live.size <= front::MAX_BYTES {
+            let (spilled, n) = d.front.keep(stream, live.size, ptr);
+            for &(p, pool) in &spilled[..n] {
+                d.give_back(p, pool);
+            }
+            return Ok(());
         }
         d.alloc.free(ptr, Some(live.pool))
     }
@@ -509,7 +521,10 @@ impl State {
         let stats = d.alloc.stats();
         let reserved = stats.reserved_bytes[0].current.max(0) as usize;
         let allocated = stats.allocated_bytes[0].current.max(0) as usize;
-        reserved.saturating_sub(allocated) + d.deferred.lock().held
+        let kept: usize = (d.front.summary().0.iter())
+            .map(|&size| round_size_with(size, self.config.divisions_for(size)))
+            .sum();
+        reserved.saturating_sub(allocated) + d.deferred.lock().held + kept
     }
 
     /// Counts one call that went to CUDA unchanged.
@@ -613,12 +628,7 @@ impl Device {
     /// counts them off `pending`).
     fn release(&self, state: &State, ptrs: &[(usize, Stream)], host: &[(usize, usize)]) {
         for &(ptr, pool) in ptrs {
-            if let Err(e) = self.alloc.free(ptr, Some(pool)) {
-                eprintln!(
-                    "tensoralloc preload: device {}: returning {ptr:#x} to the cache failed: {e}",
-                    self.index
-                );
-            }
+            self.give_back(ptr, pool);
         }
         for &(ptr, ctx) in host {
             if let Err(e) = state.host().free(ptr, Some(ctx)) {
@@ -700,9 +710,37 @@ impl Device {
         self.deferred.lock().nonblocking.insert(stream);
     }
 
-    /// Forgets a destroyed stream.
+    /// Forgets a destroyed stream, and gives back the blocks kept for it.
     pub fn remove_stream(&self, stream: Stream) {
         self.deferred.lock().nonblocking.remove(&stream);
+        self.front
+            .drain(Some(stream), |p, pool| self.give_back(p, pool));
+    }
+
+    /// When an allocation found no memory: gives back the blocks kept aside, and synchronises
+    /// to take back the frees waiting for markers. Whether anything came back.
+    #[cold]
+    fn make_room(&self, state: &State) -> bool {
+        let mut freed = false;
+        self.front.drain(None, |p, pool| {
+            self.give_back(p, pool);
+            freed = true;
+        });
+        if self.pending.load(Relaxed) != 0 {
+            self.reclaim(state, Reclaim::All);
+            freed = true;
+        }
+        freed
+    }
+
+    /// Returns a block to the allocator (said on stderr if that fails: nothing else to do).
+    fn give_back(&self, ptr: usize, pool: Stream) {
+        if let Err(e) = self.alloc.free(ptr, Some(pool)) {
+            eprintln!(
+                "tensoralloc preload: device {}: returning {ptr:#x} to the cache failed: {e}",
+                self.index
+            );
+        }
     }
 
     /// Frees deferred so far, blocks waiting for a marker, batches in flight, and bytes held
@@ -761,7 +799,7 @@ impl State {
         for d in self.devices() {
             let s = d.alloc.stats();
             let (total, waiting, batches, held) = d.deferred_summary();
-            served += s.allocation[0].allocated;
+            served += s.allocation[0].allocated + d.front.summary().1 as i64;
             deferred += total;
             let _ = writeln!(
                 lines,

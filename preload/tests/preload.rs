@@ -372,6 +372,54 @@ fn a_freed_pinned_block_waits_for_work_queued_before_the_free() {
 }
 
 #[test]
+fn a_block_freed_in_stream_order_is_reused_on_its_stream_at_once_and_not_on_another() {
+    let r = run(&program("driver_direct"), &["stream-reuse"], true);
+    assert_eq!(
+        r.results(),
+        [
+            "result: reused on another stream: no",
+            "result: reused on its stream: yes"
+        ],
+        "{}{}",
+        r.stdout,
+        r.stderr
+    );
+}
+
+#[test]
+fn blocks_kept_for_a_stream_are_given_back_when_it_is_destroyed() {
+    let exe = program("driver_direct");
+    let r = run_with(
+        &exe,
+        &["stream-reuse"],
+        true,
+        &[("TENSORALLOC_PRELOAD_STATS", "1")],
+    );
+    // Both streams' last blocks were freed on them, then the streams destroyed.
+    assert!(r.stderr.contains(" 0 bytes allocated ("), "{}", r.stderr);
+}
+
+#[test]
+fn blocks_kept_for_a_stream_are_given_back_when_memory_runs_short() {
+    let exe = program("driver_direct");
+    for preload in [false, true] {
+        let r = run_with(
+            &exe,
+            &["short"],
+            preload,
+            &[("TENSORALLOC_SIM_MEMORY", "16MiB")],
+        );
+        assert_eq!(
+            r.results(),
+            ["result: 14 MiB on another stream = 0"],
+            "preload: {preload}\n{}{}",
+            r.stdout,
+            r.stderr
+        );
+    }
+}
+
+#[test]
 fn a_bad_configuration_is_said_once_and_every_call_passes_through() {
     let exe = program("driver_direct");
     let r = run_with(

@@ -12,6 +12,9 @@
  *   host-batch   frees 64 pinned blocks, then allocates 64 again: markers and driver calls
  *   host-marker  a pinned block freed while the legacy stream is held is not reused until
  *                released
+ *   stream-reuse a block freed on its stream is reused there at once, not on another stream
+ *   short        (device memory 16 MiB) blocks freed on one stream, then a large allocation on
+ *                another that needs their memory
  */
 #define _GNU_SOURCE
 #include <cuda.h>
@@ -232,6 +235,38 @@ static int host_marker(void) {
     return 0;
 }
 
+static int stream_reuse(void) {
+    CUstream s1, s2;
+    CUdeviceptr p, q, r;
+    CHECK(cuStreamCreate(&s1, CU_STREAM_NON_BLOCKING));
+    CHECK(cuStreamCreate(&s2, CU_STREAM_NON_BLOCKING));
+    CHECK(cuMemAllocAsync(&p, 4096, s1));
+    CHECK(cuMemFreeAsync(p, s1));
+    CHECK(cuMemAllocAsync(&q, 4096, s2));
+    CHECK(cuMemAllocAsync(&r, 4096, s1));
+    printf("result: reused on another stream: %s\n", q == p ? "yes" : "no");
+    printf("result: reused on its stream: %s\n", r == p ? "yes" : "no");
+    CHECK(cuMemFreeAsync(q, s2));
+    CHECK(cuMemFreeAsync(r, s1));
+    CHECK(cuStreamDestroy(s1));
+    CHECK(cuStreamDestroy(s2));
+    return 0;
+}
+
+static int short_memory(void) {
+    CUstream s1, s2;
+    CUdeviceptr p[4], big;
+    CHECK(cuStreamCreate(&s1, CU_STREAM_NON_BLOCKING));
+    CHECK(cuStreamCreate(&s2, CU_STREAM_NON_BLOCKING));
+    for (int i = 0; i < 4; i++) CHECK(cuMemAllocAsync(&p[i], 1 << 20, s1));
+    for (int i = 0; i < 4; i++) CHECK(cuMemFreeAsync(p[i], s1));
+    printf("result: 14 MiB on another stream = %d\n", (int)cuMemAllocAsync(&big, 14 << 20, s2));
+    CHECK(cuMemFreeAsync(big, s2));
+    CHECK(cuStreamDestroy(s1));
+    CHECK(cuStreamDestroy(s2));
+    return 0;
+}
+
 static void *thread_main(void *arg) {
     int id = (int)(intptr_t)arg;
     CHECK(cuCtxSetCurrent(ctx));
@@ -270,6 +305,8 @@ int main(int argc, char **argv) {
     if (!strcmp(mode, "threads")) return threads();
     if (!strcmp(mode, "host-batch")) return host_batch();
     if (!strcmp(mode, "host-marker")) return host_marker();
+    if (!strcmp(mode, "stream-reuse")) return stream_reuse();
+    if (!strcmp(mode, "short")) return short_memory();
     fprintf(stderr, "unknown mode %s\n", mode);
     return 2;
 }
