@@ -14,7 +14,9 @@
 //! - Blocks synchronous allocations hand out belong to a pool of their own ([`SYNC_POOL`]), so
 //!   stream-ordered reuse never hands them to a stream early.
 //! - A block freed in stream order on its own stream is kept aside for the next allocation of
-//!   its size on that stream ([`crate::front`]), without going through the allocator.
+//!   its size on that stream, and a synchronous allocation's block whose batch completed for the
+//!   next synchronous allocation of its size ([`crate::front`]), without going through the
+//!   allocator.
 //! - `cudaFreeHost`/`cuMemFreeHost` blocks join the same batches (of the calling thread's
 //!   current device): they return to the pinned cache when the batch's markers have completed.
 //!
@@ -85,8 +87,8 @@ pub struct Counters {
 /// Frees of one device waiting for their markers.
 #[derive(Default)]
 struct Deferred {
-    /// Device blocks: address and pool.
-    open: Vec<(usize, Stream)>,
+    /// Device blocks: address, pool and size asked for.
+    open: Vec<(usize, Stream, usize)>,
     /// Pinned-host blocks: address and the host allocator's context.
     open_host: Vec<(usize, usize)>,
     open_bytes: usize,
@@ -109,7 +111,7 @@ impl Deferred {
 
 struct Batch {
     markers: Vec<Event>,
-    ptrs: Vec<(usize, Stream)>,
+    ptrs: Vec<(usize, Stream, usize)>,
     host: Vec<(usize, usize)>,
     /// Device bytes.
     bytes: usize,
@@ -133,7 +135,9 @@ pub struct Device {
     /// The open batch holds pinned blocks.
     host_waiting: AtomicBool,
     /// Blocks freed in stream order, kept for their stream.
-    front: Front,
+    by_stream: Front,
+    /// Blocks of synchronous allocations whose batch completed, kept by size.
+    by_size: Front,
 }
 
 /// Everything the hooks share.
@@ -274,7 +278,8 @@ impl State {
                     close_due: AtomicBool::new(false),
                     poll_tick: AtomicU32::new(0),
                     host_waiting: AtomicBool::new(false),
-                    front: Front::new(),
+                    by_stream: Front::new(4),
+                    by_size: Front::new(64),
                 })
             })
             .map_err(|e| {
@@ -392,6 +397,12 @@ impl State {
         if d.pending.load(Relaxed) != 0 {
             d.maybe_reclaim(self);
         }
+        if size <= front::MAX_BYTES {
+            if let Some(ptr) = d.by_size.take(size, size) {
+                self.handed_out(d, ptr, size, SYNC_POOL);
+                return Ok(ptr);
+            }
+        }
         let ptr = match d.alloc.malloc(size, SYNC_POOL) {
             Err(Error::OutOfMemory(_)) if d.make_room(self) => d.alloc.malloc(size, SYNC_POOL)?,
             other => other?,
@@ -409,7 +420,7 @@ impl State {
         stream: Stream,
     ) -> tensoralloc::Result<usize> {
         if size <= front::MAX_BYTES {
-            if let Some(ptr) = d.front.take(stream, size) {
+            if let Some(ptr) = d.by_stream.take(stream, size) {
                 self.handed_out(d, ptr, size, stream);
                 return Ok(ptr);
             }
@@ -442,7 +453,7 @@ impl State {
         let size = round_size_with(live.size, self.config.divisions_for(live.size));
         let mut g = d.deferred.lock();
         g.deferred_total += 1;
-        g.open.push((ptr, live.pool));
+        g.open.push((ptr, live.pool, live.size));
         g.open_bytes += size;
         g.held += size;
         d.opened(self, &mut g);
@@ -507,10 +518,8 @@ impl State {
         if stream != live.pool {
             d.alloc.record_stream(ptr, stream)?;
         } else if live.size <= front::MAX_BYTES {
-            let (spilled, n) = d.front.keep(stream, live.size, ptr);
-            for &(p, pool) in &spilled[..n] {
-                d.give_back(p, pool);
-            }
+            d.by_stream
+                .keep(stream, live.size, ptr, |p, pool| d.give_back(p, pool));
             return Ok(());
         }
         d.alloc.free(ptr, Some(live.pool))
@@ -521,8 +530,10 @@ impl State {
         let stats = d.alloc.stats();
         let reserved = stats.reserved_bytes[0].current.max(0) as usize;
         let allocated = stats.allocated_bytes[0].current.max(0) as usize;
-        let kept: usize = (d.front.summary().0.iter())
-            .map(|&size| round_size_with(size, self.config.divisions_for(size)))
+        let kept: usize = [&d.by_stream, &d.by_size]
+            .iter()
+            .flat_map(|f| f.summary().0)
+            .map(|size| round_size_with(size, self.config.divisions_for(size)))
             .sum();
         reserved.saturating_sub(allocated) + d.deferred.lock().held + kept
     }
@@ -626,9 +637,14 @@ impl Device {
 
     /// Returns deferred blocks to their caches (the caller holds the deferred lock and
     /// counts them off `pending`).
-    fn release(&self, state: &State, ptrs: &[(usize, Stream)], host: &[(usize, usize)]) {
-        for &(ptr, pool) in ptrs {
-            self.give_back(ptr, pool);
+    fn release(&self, state: &State, ptrs: &[(usize, Stream, usize)], host: &[(usize, usize)]) {
+        for &(ptr, pool, size) in ptrs {
+            if pool == SYNC_POOL && size <= front::MAX_BYTES {
+                self.by_size
+                    .keep(size, size, ptr, |p, _| self.give_back(p, SYNC_POOL));
+            } else {
+                self.give_back(ptr, pool);
+            }
         }
         for &(ptr, ctx) in host {
             if let Err(e) = state.host().free(ptr, Some(ctx)) {
@@ -713,23 +729,27 @@ impl Device {
     /// Forgets a destroyed stream, and gives back the blocks kept for it.
     pub fn remove_stream(&self, stream: Stream) {
         self.deferred.lock().nonblocking.remove(&stream);
-        self.front
+        self.by_stream
             .drain(Some(stream), |p, pool| self.give_back(p, pool));
     }
 
-    /// When an allocation found no memory: gives back the blocks kept aside, and synchronises
-    /// to take back the frees waiting for markers. Whether anything came back.
+    /// When an allocation found no memory: synchronises to take back the frees waiting for
+    /// markers, and gives back the blocks kept aside. Whether anything came back.
     #[cold]
     fn make_room(&self, state: &State) -> bool {
         let mut freed = false;
-        self.front.drain(None, |p, pool| {
-            self.give_back(p, pool);
-            freed = true;
-        });
         if self.pending.load(Relaxed) != 0 {
             self.reclaim(state, Reclaim::All);
             freed = true;
         }
+        self.by_stream.drain(None, |p, pool| {
+            self.give_back(p, pool);
+            freed = true;
+        });
+        self.by_size.drain(None, |p, _| {
+            self.give_back(p, SYNC_POOL);
+            freed = true;
+        });
         freed
     }
 
@@ -799,7 +819,8 @@ impl State {
         for d in self.devices() {
             let s = d.alloc.stats();
             let (total, waiting, batches, held) = d.deferred_summary();
-            served += s.allocation[0].allocated + d.front.summary().1 as i64;
+            let hits = d.by_stream.summary().1 + d.by_size.summary().1;
+            served += s.allocation[0].allocated + hits as i64;
             deferred += total;
             let _ = writeln!(
                 lines,

@@ -420,6 +420,26 @@ fn blocks_kept_for_a_stream_are_given_back_when_memory_runs_short() {
 }
 
 #[test]
+fn blocks_kept_by_size_are_given_back_when_memory_runs_short() {
+    let exe = program("driver_direct");
+    for preload in [false, true] {
+        let r = run_with(
+            &exe,
+            &["short-sync"],
+            preload,
+            &[("TENSORALLOC_SIM_MEMORY", "16MiB")],
+        );
+        assert_eq!(
+            r.results(),
+            ["result: 14 MiB = 0"],
+            "preload: {preload}\n{}{}",
+            r.stdout,
+            r.stderr
+        );
+    }
+}
+
+#[test]
 fn a_bad_configuration_is_said_once_and_every_call_passes_through() {
     let exe = program("driver_direct");
     let r = run_with(

@@ -15,6 +15,8 @@
  *   stream-reuse a block freed on its stream is reused there at once, not on another stream
  *   short        (device memory 16 MiB) blocks freed on one stream, then a large allocation on
  *                another that needs their memory
+ *   short-sync   (device memory 16 MiB) the same with cuMemAlloc/cuMemFree, the frees' batch
+ *                completed and their blocks kept for the next allocations of their size
  */
 #define _GNU_SOURCE
 #include <cuda.h>
@@ -155,14 +157,15 @@ static int marker(void) {
     }
     printf("result: reused while the legacy stream is busy: %s\n", reused ? "yes" : "no");
     control("fakecuda_release_stream", (CUstream)0);
-    int reused_after = 0;
-    for (int i = 0; i < 100 && !reused_after; i++) {
-        CUdeviceptr r;
-        CHECK(cuMemAlloc(&r, size));
-        if (r == p) reused_after = 1;
-        CHECK(cuMemFree(r));
+    /* The blocks stay live, so every block freed above is handed out before new memory. */
+    CUdeviceptr r[200];
+    int reused_after = 0, n = 0;
+    while (n < 200 && !reused_after) {
+        CHECK(cuMemAlloc(&r[n], size));
+        if (r[n++] == p) reused_after = 1;
     }
     printf("result: reused once it completed: %s\n", reused_after ? "yes" : "no");
+    for (int i = 0; i < n; i++) CHECK(cuMemFree(r[i]));
     return 0;
 }
 
@@ -267,6 +270,18 @@ static int short_memory(void) {
     return 0;
 }
 
+static int short_memory_sync(void) {
+    CUdeviceptr p[4], q, big;
+    for (int i = 0; i < 4; i++) CHECK(cuMemAlloc(&p[i], 1 << 20));
+    for (int i = 0; i < 4; i++) CHECK(cuMemFree(p[i]));
+    /* Closes the batch of the four frees and, its marker done, takes the blocks back. */
+    CHECK(cuMemAlloc(&q, 512 << 10));
+    CHECK(cuMemFree(q));
+    printf("result: 14 MiB = %d\n", (int)cuMemAlloc(&big, 14 << 20));
+    CHECK(cuMemFree(big));
+    return 0;
+}
+
 static void *thread_main(void *arg) {
     int id = (int)(intptr_t)arg;
     CHECK(cuCtxSetCurrent(ctx));
@@ -307,6 +322,7 @@ int main(int argc, char **argv) {
     if (!strcmp(mode, "host-marker")) return host_marker();
     if (!strcmp(mode, "stream-reuse")) return stream_reuse();
     if (!strcmp(mode, "short")) return short_memory();
+    if (!strcmp(mode, "short-sync")) return short_memory_sync();
     fprintf(stderr, "unknown mode %s\n", mode);
     return 2;
 }
