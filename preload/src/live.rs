@@ -6,11 +6,10 @@
 //! taken the entry goes to a locked overflow map, which is only consulted while it holds
 //! anything. A compare-and-swap on removal makes a racing double free take the entry once.
 
-use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::*};
 
 use parking_lot::Mutex;
+use rustc_hash::FxHashMap;
 
 /// A device or pinned-host allocation handed out by a hook.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -38,26 +37,7 @@ struct Group {
     meta: [AtomicU64; WAYS],
 }
 
-/// A hasher for addresses (at least 512-byte aligned): one multiplication.
-#[derive(Default)]
-pub struct PtrHasher(u64);
-
-impl Hasher for PtrHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = (self.0 ^ b as u64).wrapping_mul(0x100_0000_01b3);
-        }
-    }
-    fn write_usize(&mut self, x: usize) {
-        let h = (x as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-        self.0 = h ^ (h >> 29);
-    }
-}
-
-type Map<V> = HashMap<usize, V, BuildHasherDefault<PtrHasher>>;
+type Map<V> = FxHashMap<usize, V>;
 const MAP_SHARDS: usize = 32;
 
 /// A map from addresses, sharded so threads rarely meet on a lock (for the paths that are not

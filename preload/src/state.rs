@@ -397,18 +397,7 @@ impl State {
         if d.pending.load(Relaxed) != 0 {
             d.maybe_reclaim(self);
         }
-        if size <= front::MAX_BYTES {
-            if let Some(ptr) = d.by_size.take(size, size) {
-                self.handed_out(d, ptr, size, SYNC_POOL);
-                return Ok(ptr);
-            }
-        }
-        let ptr = match d.alloc.malloc(size, SYNC_POOL) {
-            Err(Error::OutOfMemory(_)) if d.make_room(self) => d.alloc.malloc(size, SYNC_POOL)?,
-            other => other?,
-        };
-        self.handed_out(d, ptr, size, SYNC_POOL);
-        Ok(ptr)
+        self.malloc_from(d, &d.by_size, size, size, SYNC_POOL)
     }
 
     /// Allocates in `stream`'s order.
@@ -419,17 +408,33 @@ impl State {
         size: usize,
         stream: Stream,
     ) -> tensoralloc::Result<usize> {
-        if size <= front::MAX_BYTES {
-            if let Some(ptr) = d.by_stream.take(stream, size) {
-                self.handed_out(d, ptr, size, stream);
-                return Ok(ptr);
-            }
-        }
-        let ptr = match d.alloc.malloc(size, stream) {
-            Err(Error::OutOfMemory(_)) if d.make_room(self) => d.alloc.malloc(size, stream)?,
-            other => other?,
+        self.malloc_from(d, &d.by_stream, stream, size, stream)
+    }
+
+    /// Allocates for `pool`: a block kept under `key` in `front` when there is one, else from
+    /// the allocator (making room once when memory is short).
+    #[inline]
+    fn malloc_from(
+        &self,
+        d: &Device,
+        front: &Front,
+        key: usize,
+        size: usize,
+        pool: Stream,
+    ) -> tensoralloc::Result<usize> {
+        let kept = if size <= front::MAX_BYTES {
+            front.take(key, size)
+        } else {
+            None
         };
-        self.handed_out(d, ptr, size, stream);
+        let ptr = match kept {
+            Some(ptr) => ptr,
+            None => match d.alloc.malloc(size, pool) {
+                Err(Error::OutOfMemory(_)) if d.make_room(self) => d.alloc.malloc(size, pool)?,
+                other => other?,
+            },
+        };
+        self.handed_out(d, ptr, size, pool);
         Ok(ptr)
     }
 

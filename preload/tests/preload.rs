@@ -194,6 +194,17 @@ fn run_with(exe: &Path, args: &[&str], preload: bool, env: &[(&str, &str)]) -> R
     run
 }
 
+/// Runs `driver_direct <mode>` with the preload and the environment `env`.
+fn driver_direct_with(mode: &str, env: &[(&str, &str)]) -> Run {
+    run_with(&program("driver_direct"), &[mode], true, env)
+}
+
+/// Runs `driver_direct <mode>` with the preload; its results must be `expected`.
+fn assert_preloaded_results(mode: &str, expected: &[&str]) {
+    let r = run(&program("driver_direct"), &[mode], true);
+    assert_eq!(r.results(), expected, "{}{}", r.stdout, r.stderr);
+}
+
 fn run(exe: &Path, args: &[&str], preload: bool) -> Run {
     run_with(exe, args, preload, &[])
 }
@@ -261,6 +272,16 @@ fn assert_runtime_served(plain: &Run, preloaded: &Run) {
     }
 }
 
+/// `runtime_async.c` built as with `--default-stream per-thread`: its stream-ordered calls are
+/// the runtime's `_ptsz` functions.
+fn runtime_ptsz_program() -> PathBuf {
+    program_variant(
+        "runtime_async",
+        "runtime_async_ptsz",
+        &["-DCUDA_API_PER_THREAD_DEFAULT_STREAM"],
+    )
+}
+
 #[test]
 fn a_runtime_api_program_gets_the_same_results_and_cached_allocations() {
     let exe = program_variant("runtime_async", "runtime_async", &[]);
@@ -270,11 +291,7 @@ fn a_runtime_api_program_gets_the_same_results_and_cached_allocations() {
 
 #[test]
 fn the_per_thread_default_stream_runtime_calls_are_served_too() {
-    let exe = program_variant(
-        "runtime_async",
-        "runtime_async_ptsz",
-        &["-DCUDA_API_PER_THREAD_DEFAULT_STREAM"],
-    );
+    let exe = runtime_ptsz_program();
     let (plain, preloaded) = both_at(&exe, &["pairs"]);
     assert!(plain
         .results()
@@ -284,11 +301,7 @@ fn the_per_thread_default_stream_runtime_calls_are_served_too() {
 
 #[test]
 fn threads_sharing_the_per_thread_default_stream_handle_get_disjoint_blocks() {
-    let exe = program_variant(
-        "runtime_async",
-        "runtime_async_ptsz",
-        &["-DCUDA_API_PER_THREAD_DEFAULT_STREAM"],
-    );
+    let exe = runtime_ptsz_program();
     let r = run(&exe, &["threads"], true);
     assert!(
         r.results()
@@ -319,16 +332,12 @@ fn a_double_free_returns_invalid_value_and_is_reported_once() {
 
 #[test]
 fn a_freed_block_waits_for_work_queued_before_the_free() {
-    let r = run(&program("driver_direct"), &["marker"], true);
-    assert_eq!(
-        r.results(),
-        [
+    assert_preloaded_results(
+        "marker",
+        &[
             "result: reused while the legacy stream is busy: no",
-            "result: reused once it completed: yes"
+            "result: reused once it completed: yes",
         ],
-        "{}{}",
-        r.stdout,
-        r.stderr
     );
 }
 
@@ -358,96 +367,67 @@ fn pinned_host_frees_share_one_marker_per_batch_and_their_blocks_come_back() {
 
 #[test]
 fn a_freed_pinned_block_waits_for_work_queued_before_the_free() {
-    let r = run(&program("driver_direct"), &["host-marker"], true);
-    assert_eq!(
-        r.results(),
-        [
+    assert_preloaded_results(
+        "host-marker",
+        &[
             "result: pinned block reused while the legacy stream is busy: no",
-            "result: pinned block reused once it completed: yes"
+            "result: pinned block reused once it completed: yes",
         ],
-        "{}{}",
-        r.stdout,
-        r.stderr
     );
 }
 
 #[test]
 fn a_block_freed_in_stream_order_is_reused_on_its_stream_at_once_and_not_on_another() {
-    let r = run(&program("driver_direct"), &["stream-reuse"], true);
-    assert_eq!(
-        r.results(),
-        [
+    assert_preloaded_results(
+        "stream-reuse",
+        &[
             "result: reused on another stream: no",
-            "result: reused on its stream: yes"
+            "result: reused on its stream: yes",
         ],
-        "{}{}",
-        r.stdout,
-        r.stderr
     );
 }
 
 #[test]
 fn blocks_kept_for_a_stream_are_given_back_when_it_is_destroyed() {
-    let exe = program("driver_direct");
-    let r = run_with(
-        &exe,
-        &["stream-reuse"],
-        true,
-        &[("TENSORALLOC_PRELOAD_STATS", "1")],
-    );
+    let r = driver_direct_with("stream-reuse", &[("TENSORALLOC_PRELOAD_STATS", "1")]);
     // Both streams' last blocks were freed on them, then the streams destroyed.
     assert!(r.stderr.contains(" 0 bytes allocated ("), "{}", r.stderr);
 }
 
-#[test]
-fn blocks_kept_for_a_stream_are_given_back_when_memory_runs_short() {
+/// Runs `mode` on a 16 MiB device without and with the preload: its large allocation, which
+/// needs the memory of blocks freed before, must succeed both times.
+fn assert_large_allocation_fits(mode: &str, result: &str) {
     let exe = program("driver_direct");
     for preload in [false, true] {
         let r = run_with(
             &exe,
-            &["short"],
+            &[mode],
             preload,
             &[("TENSORALLOC_SIM_MEMORY", "16MiB")],
         );
         assert_eq!(
             r.results(),
-            ["result: 14 MiB on another stream = 0"],
+            [result],
             "preload: {preload}\n{}{}",
             r.stdout,
             r.stderr
         );
     }
+}
+
+#[test]
+fn blocks_kept_for_a_stream_are_given_back_when_memory_runs_short() {
+    assert_large_allocation_fits("short", "result: 14 MiB on another stream = 0");
 }
 
 #[test]
 fn blocks_kept_by_size_are_given_back_when_memory_runs_short() {
-    let exe = program("driver_direct");
-    for preload in [false, true] {
-        let r = run_with(
-            &exe,
-            &["short-sync"],
-            preload,
-            &[("TENSORALLOC_SIM_MEMORY", "16MiB")],
-        );
-        assert_eq!(
-            r.results(),
-            ["result: 14 MiB = 0"],
-            "preload: {preload}\n{}{}",
-            r.stdout,
-            r.stderr
-        );
-    }
+    assert_large_allocation_fits("short-sync", "result: 14 MiB = 0");
 }
 
 #[test]
 fn a_bad_configuration_is_said_once_and_every_call_passes_through() {
-    let exe = program("driver_direct");
-    let r = run_with(
-        &exe,
-        &["pairs"],
-        true,
-        &[("TENSORALLOC_CONF", "no_such_option:1")],
-    );
+    let r = driver_direct_with("pairs", &[("TENSORALLOC_CONF", "no_such_option:1")]);
     assert_eq!(r.count("sync pairs mem_alloc"), 10_000);
     assert_eq!(
         r.stderr.matches("tensoralloc preload: disabled").count(),
@@ -487,24 +467,12 @@ fn a_forked_child_passes_through_and_the_parent_keeps_its_cache() {
 
 #[test]
 fn threads_get_disjoint_blocks() {
-    let r = run(&program("driver_direct"), &["threads"], true);
-    assert_eq!(
-        r.results(),
-        ["result: threads saw only their own data: yes"],
-        "{}",
-        r.stderr
-    );
+    assert_preloaded_results("threads", &["result: threads saw only their own data: yes"]);
 }
 
 #[test]
 fn statistics_are_printed_at_exit_when_asked() {
-    let exe = program("driver_direct");
-    let r = run_with(
-        &exe,
-        &["double-free"],
-        true,
-        &[("TENSORALLOC_PRELOAD_STATS", "1")],
-    );
+    let r = driver_direct_with("double-free", &[("TENSORALLOC_PRELOAD_STATS", "1")]);
     assert!(
         r.stderr
             .contains("tensoralloc preload: 2 device allocations served"),

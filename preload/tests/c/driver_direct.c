@@ -26,17 +26,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "common.h"
 #include <sys/wait.h>
 #include <unistd.h>
-
-#define CHECK(call)                                                                    \
-    do {                                                                               \
-        CUresult r_ = (call);                                                          \
-        if (r_ != CUDA_SUCCESS) {                                                      \
-            fprintf(stderr, "%s:%d: %s failed: %d\n", __FILE__, __LINE__, #call, r_); \
-            exit(1);                                                                   \
-        }                                                                              \
-    } while (0)
 
 typedef unsigned long long (*counter_fn)(const char *);
 typedef void (*stream_fn)(CUstream);
@@ -298,15 +291,7 @@ static void *thread_main(void *arg) {
 }
 
 static int threads(void) {
-    pthread_t t[4];
-    for (int i = 0; i < 4; i++) pthread_create(&t[i], NULL, thread_main, (void *)(intptr_t)i);
-    int ok = 1;
-    for (int i = 0; i < 4; i++) {
-        void *r;
-        pthread_join(t[i], &r);
-        ok &= (int)(intptr_t)r;
-    }
-    printf("result: threads saw only their own data: %s\n", ok ? "yes" : "no");
+    run_threads(thread_main);
     return 0;
 }
 

@@ -56,29 +56,22 @@ CUDART_EXPORT int cudaFree(void *p) {
     return r || !p ? r : cuMemFree((CUdeviceptr)p);
 }
 
-CUDART_EXPORT int cudaMallocAsync(void **p, size_t size, CUstream s) {
+static int alloc_on(void **p, size_t size, CUstream s) {
     called();
     CUresult r = ensure_context();
-    return r ? r : cuMemAllocAsync((CUdeviceptr *)p, size, legacy(s));
+    return r ? r : cuMemAllocAsync((CUdeviceptr *)p, size, s);
 }
 
-CUDART_EXPORT int cudaFreeAsync(void *p, CUstream s) {
+static int free_on(void *p, CUstream s) {
     called();
     CUresult r = ensure_context();
-    return r ? r : cuMemFreeAsync((CUdeviceptr)p, legacy(s));
+    return r ? r : cuMemFreeAsync((CUdeviceptr)p, s);
 }
 
-CUDART_EXPORT int cudaMallocAsync_ptsz(void **p, size_t size, CUstream s) {
-    called();
-    CUresult r = ensure_context();
-    return r ? r : cuMemAllocAsync((CUdeviceptr *)p, size, per_thread(s));
-}
-
-CUDART_EXPORT int cudaFreeAsync_ptsz(void *p, CUstream s) {
-    called();
-    CUresult r = ensure_context();
-    return r ? r : cuMemFreeAsync((CUdeviceptr)p, per_thread(s));
-}
+CUDART_EXPORT int cudaMallocAsync(void **p, size_t size, CUstream s) { return alloc_on(p, size, legacy(s)); }
+CUDART_EXPORT int cudaFreeAsync(void *p, CUstream s) { return free_on(p, legacy(s)); }
+CUDART_EXPORT int cudaMallocAsync_ptsz(void **p, size_t size, CUstream s) { return alloc_on(p, size, per_thread(s)); }
+CUDART_EXPORT int cudaFreeAsync_ptsz(void *p, CUstream s) { return free_on(p, per_thread(s)); }
 
 CUDART_EXPORT int cudaStreamCreateWithFlags(CUstream *s, unsigned flags) {
     CUresult r = ensure_context();

@@ -16,14 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define CHECK(call)                                                                    \
-    do {                                                                               \
-        cudaError_t r_ = (call);                                                       \
-        if (r_ != cudaSuccess) {                                                       \
-            fprintf(stderr, "%s:%d: %s failed: %d\n", __FILE__, __LINE__, #call, r_); \
-            exit(1);                                                                   \
-        }                                                                              \
-    } while (0)
+#include "common.h"
 
 static void *control(const char *name) {
     void *f = dlsym(RTLD_DEFAULT, name);
@@ -92,17 +85,9 @@ static void *thread_main(void *arg) {
 }
 
 static int threads(void) {
-    pthread_t t[4];
     int dev;
     CHECK(cudaGetDevice(&dev));
-    for (int i = 0; i < 4; i++) pthread_create(&t[i], NULL, thread_main, (void *)(intptr_t)i);
-    int ok = 1;
-    for (int i = 0; i < 4; i++) {
-        void *r;
-        pthread_join(t[i], &r);
-        ok &= (int)(intptr_t)r;
-    }
-    printf("result: threads saw only their own data: %s\n", ok ? "yes" : "no");
+    run_threads(thread_main);
     return 0;
 }
 
