@@ -259,7 +259,7 @@ typedef struct tensoralloc_plan_options {
   /**
    * Work units the search of `"default"` and `"exact"` may spend (allocations scanned,
    * sections checked, neighbours updated: roughly 10^8 a second on one core). 0 means the
-   * algorithm's default (1,000,000 for `"default"`, 4,000,000,000 for `"exact"`). The
+   * algorithm's default (20,000,000 for `"default"`, 4,000,000,000 for `"exact"`). The
    * plan depends only on the input and this budget, never on the machine.
    */
   uint64_t work_budget;

@@ -158,7 +158,7 @@ pub extern "C" fn tensoralloc_plan_offsets(
 pub struct tensoralloc_plan_options {
     /// Work units the search of `"default"` and `"exact"` may spend (allocations scanned,
     /// sections checked, neighbours updated: roughly 10^8 a second on one core). 0 means the
-    /// algorithm's default (1,000,000 for `"default"`, 4,000,000,000 for `"exact"`). The
+    /// algorithm's default (20,000,000 for `"default"`, 4,000,000,000 for `"exact"`). The
     /// plan depends only on the input and this budget, never on the machine.
     pub work_budget: u64,
     /// Wall-clock cap in milliseconds, 0 for none. Passing it stops the search early, so

@@ -42,6 +42,11 @@ enum Key {
 
 const NONE: u64 = u64::MAX;
 
+/// Where the optimising search probes between the largest capacity known to be too small
+/// and the best plan: the lower end itself (a layout there is optimal), then a half and
+/// three quarters of the way up (a looser capacity is usually quicker to fill).
+const PROBES: [(u64, u64); 3] = [(0, 1), (1, 2), (3, 4)];
+
 /// The nonzero allocations of a problem as the search sees them.
 pub(crate) struct Instance {
     /// Problem index of each local allocation.
@@ -530,9 +535,6 @@ pub(crate) struct Searched {
 }
 
 impl Problem {
-    /// Improves `incumbent` (a valid layout) by canonical search within `work` units (and
-    /// `deadline`): first a layout at the lower bound `bound`, then, if none exists, ever
-    /// smaller layouts below the incumbent. `proven` when the result is known optimal.
     /// `incumbent` with the offsets of the search's `solution`.
     fn plan_of(&self, inst: &Instance, incumbent: &OffsetPlan, solution: &[u64]) -> OffsetPlan {
         let mut offsets = incumbent.offsets.clone();
@@ -547,6 +549,12 @@ impl Problem {
         }
     }
 
+    /// Improves `incumbent` (a valid layout) by canonical search within `work` units (and
+    /// `deadline`): layouts at the lower bound `bound` (optimal) and smaller than the
+    /// incumbent. `proven` when the result is known optimal. `improve_share`: the work of
+    /// each probe for a smaller layout, as a fraction (numerator, denominator) of the work
+    /// of the probe at the lower end.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn canonical_search(
         &self,
         inst: &Instance,
@@ -554,6 +562,7 @@ impl Problem {
         bound: u64,
         alignment: u64,
         work: u64,
+        improve_share: (u64, u64),
         deadline: Option<Instant>,
     ) -> Searched {
         let mut best = incumbent;
@@ -566,23 +575,30 @@ impl Problem {
             };
         }
         let mut decider = Decider::new(inst, deadline);
-        // The optimum lies in lo..=best: probe at lo (a layout there is optimal; none raises
-        // lo) and just below the incumbent (a layout there improves it), doubling the work
-        // of each probe, until the two meet or the budget is spent.
+        // The optimum lies in lo..=best. Each round probes the capacities of `PROBES`, with
+        // the work of each probe doubling from round to round, until lo meets the plan or
+        // the budget is spent.
         let mut lo = bound;
         let mut slice = (64 * inst.len() as u64).max(4096);
-        let proven = loop {
-            if lo >= best.arena_size {
-                break true;
-            }
-            if left == 0 || decider.out_of_time {
-                break false;
-            }
-            for capacity in [lo, best.arena_size - alignment] {
-                if capacity < lo || lo >= best.arena_size {
+        let proven = 'search: loop {
+            for (k, &(num, den)) in PROBES.iter().enumerate() {
+                if lo >= best.arena_size {
+                    break 'search true;
+                }
+                if left == 0 || decider.out_of_time {
+                    break 'search false;
+                }
+                let gap = (best.arena_size - lo) / alignment;
+                let capacity = lo + gap * num / den * alignment;
+                if k > 0 && capacity == lo {
                     continue;
                 }
-                let mut probe = slice.min(left);
+                let share = if k == 0 {
+                    slice
+                } else {
+                    slice.saturating_mul(improve_share.0) / improve_share.1
+                };
+                let mut probe = share.max(1).min(left);
                 let before = probe;
                 let outcome = decider.decide(capacity, &mut probe);
                 left -= before - probe;

@@ -71,7 +71,7 @@ pub enum Algorithm {
     /// The smallest of the greedy orders below (all of them, stopping at the lower bound;
     /// fewer on inputs so dense that they would be slow) and, when none reaches the bound,
     /// [`Algorithm::Pytorch`]; then, still above the bound, greedy passes in perturbed size
-    /// orders and a canonical search (see `Exact`) within 1,000,000 (`DEFAULT_BEST_WORK`) work units.
+    /// orders and a canonical search (see `Exact`) within 20,000,000 (`DEFAULT_BEST_WORK`) work units.
     /// Never larger than `Pytorch` on any input.
     Best,
     /// PyTorch's profiling-allocator plan: allocations and frees in time order, best fit among
@@ -168,7 +168,7 @@ pub fn plan_offsets(
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct PlanOptions {
     /// Work units the search may spend (allocations scanned, sections checked, neighbours
-    /// updated; roughly 10^8 a second on one core). `None`: 1,000,000 (`DEFAULT_BEST_WORK`) for
+    /// updated; roughly 10^8 a second on one core). `None`: 20,000,000 (`DEFAULT_BEST_WORK`) for
     /// `Best`, 4,000,000,000 (`DEFAULT_EXACT_WORK`) for `Exact`. The plan depends only on the input and
     /// this budget, never on the machine.
     pub work_budget: Option<u64>,
@@ -178,8 +178,8 @@ pub struct PlanOptions {
 }
 
 /// Work budget of the default algorithm's search when the greedy orders miss the lower
-/// bound (a few milliseconds).
-pub(crate) const DEFAULT_BEST_WORK: u64 = 1_000_000;
+/// bound (tens of milliseconds at most).
+pub(crate) const DEFAULT_BEST_WORK: u64 = 20_000_000;
 /// Work budget of [`Algorithm::Exact`] when the caller gives none (about a minute at most).
 pub(crate) const DEFAULT_EXACT_WORK: u64 = 4_000_000_000;
 

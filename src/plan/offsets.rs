@@ -343,16 +343,6 @@ impl Problem {
         let bound = greedy.lower_bound();
         debug_assert_eq!(bound, self.lower_bound());
         let pass_work = greedy.work();
-        // On very dense inputs a greedy pass costs far more than PyTorch's plan, which may
-        // already be optimal (nothing freed before the peak, say): try it first there.
-        let mut pytorch = None;
-        if pass_work > BEST_GREEDY_WORK {
-            let plan = self.pytorch();
-            if plan.arena_size == bound {
-                return self.known(plan);
-            }
-            pytorch = Some(plan);
-        }
         let mut best: Option<OffsetPlan> = None;
         for (k, order) in Order::ALL.into_iter().enumerate() {
             if k > 0 && !exhaustive && k * pass_work > BEST_GREEDY_WORK {
@@ -370,13 +360,13 @@ impl Problem {
         let mut best = best.expect("at least one greedy pass runs");
         // PyTorch's plan can only win when the greedy ones missed the bound.
         if best.arena_size > bound {
-            let pytorch = pytorch.unwrap_or_else(|| self.pytorch());
+            let pytorch = self.pytorch();
             if pytorch.arena_size < best.arena_size {
                 best = pytorch;
             }
         }
         if best.arena_size == bound || work == 0 {
-            return self.known(best);
+            return bounded(best, bound, 0);
         }
         // Perturbed size orders: cheap, and often closer than any fixed order.
         let mut spent = 0u64;
@@ -404,19 +394,36 @@ impl Problem {
             }
         }
         if best.arena_size == bound || nonzero.len() > SEARCH_LIMIT {
-            return PlanOutcome {
-                proven_optimal: best.arena_size == bound,
-                plan: best,
-                work: spent,
-            };
+            return bounded(best, bound, spent);
         }
         let inst = Instance::of(self);
-        let searched = self.canonical_search(&inst, best, bound, alignment, work - spent, deadline);
+        // The default wants a small plan more than a proof: its probes for smaller layouts get
+        // twice the work of the probe at the lower bound. `Exact` gives them an eighth, so
+        // that proving the bound costs little more than probing it alone.
+        let improve_share = if exhaustive { (1, 8) } else { (2, 1) };
+        let searched = self.canonical_search(
+            &inst,
+            best,
+            bound,
+            alignment,
+            work - spent,
+            improve_share,
+            deadline,
+        );
         PlanOutcome {
             plan: searched.plan,
             proven_optimal: searched.proven,
             work: spent + searched.work,
         }
+    }
+}
+
+/// A plan for an input whose lower bound is `bound`, found with `work` units of search.
+fn bounded(plan: OffsetPlan, bound: u64, work: u64) -> PlanOutcome {
+    PlanOutcome {
+        proven_optimal: plan.arena_size == bound,
+        plan,
+        work,
     }
 }
 
