@@ -62,6 +62,7 @@ impl FreeIndex {
     }
 
     /// The keys at or above `from`, in order (slow paths only: it walks the bins below too).
+    #[cfg(test)]
     pub fn iter_from(&self, from: Key) -> impl Iterator<Item = Key> + '_ {
         self.iter().skip_while(move |k| *k < from)
     }

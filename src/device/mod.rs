@@ -324,13 +324,19 @@ impl DeviceAllocator {
         rounded: usize,
         stream: Stream,
     ) -> Result<u32> {
-        if let Some(layout) = &self.layout {
-            self.check_limit(rounded)?;
-            return self.grow(shard, inner, layout, pool, rounded);
-        }
-        let seg = segment_size(rounded);
+        // Graph private pools keep ordinary segments, as in PyTorch: a graph replays on the
+        // addresses of blocks its pool has freed, which must stay mapped.
+        let layout = self.layout.as_ref().filter(|_| !shard.private);
+        let seg = match layout {
+            Some(_) => rounded,
+            None => segment_size(rounded),
+        };
         if self.gc_threshold > 0.0 && !self.capture_blocks(stream) {
             self.collect_garbage(shard, inner, seg);
+        }
+        if let Some(layout) = layout {
+            self.check_limit(rounded)?;
+            return self.grow(shard, inner, layout, pool, rounded);
         }
         self.check_limit(seg)?;
         let addr = self.driver.mem_alloc(self.device, seg)?;
@@ -578,7 +584,7 @@ impl DeviceAllocator {
             self.event_done(shard, inner, id);
         }
         let released = self.release_segments(shard, inner, usize::MAX)?;
-        Ok(released + self.release_expandable(shard, inner)?)
+        Ok(released + self.release_expandable(shard, inner, usize::MAX)?)
     }
 
     /// Returns unused whole segments of `shard` to the driver until `goal` bytes are released.
@@ -605,7 +611,7 @@ impl DeviceAllocator {
     }
 
     /// Before growing past the garbage-collection threshold, return this stream's unused
-    /// segments to the driver.
+    /// segments (or free pages of its expandable segments) to the driver.
     fn collect_garbage(&self, shard: &Shard, inner: &mut ShardInner, want: usize) {
         let Ok(info) = self.driver.mem_info(self.device) else {
             return;
@@ -615,7 +621,11 @@ impl DeviceAllocator {
             .max(0) as u64;
         let limit = (info.total as f64 * self.gc_threshold) as u64;
         if reserved + want as u64 > limit {
-            let _ = self.release_segments(shard, inner, (reserved + want as u64 - limit) as usize);
+            let excess = (reserved + want as u64 - limit) as usize;
+            let released = self.release_segments(shard, inner, excess).unwrap_or(0);
+            if released < excess {
+                let _ = self.release_expandable(shard, inner, excess - released);
+            }
         }
     }
 
