@@ -12,7 +12,7 @@
 
 use std::cell::Cell;
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
-use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
 
 use tensoralloc::driver::Stream;
 use tensoralloc::Error;
@@ -33,33 +33,44 @@ thread_local! {
     static BYPASS: Cell<u32> = const { Cell::new(0) };
 }
 
+/// Threads inside a real runtime function now: while there are none, no hook needs to look at
+/// its thread's `BYPASS` (thread-local storage costs a call in a shared library).
+static IN_REAL_RUNTIME: AtomicUsize = AtomicUsize::new(0);
+
+#[inline]
 fn bypassed() -> bool {
+    IN_REAL_RUNTIME.load(Relaxed) != 0 && bypassed_here()
+}
+
+/// Out of line, so that the thread-local address is not computed ahead of the check above.
+#[cold]
+#[inline(never)]
+fn bypassed_here() -> bool {
     BYPASS.with(|b| b.get() != 0)
 }
 
 /// Runs a real runtime function with the driver hooks out of the way.
 fn through<T>(f: impl FnOnce() -> T) -> T {
     BYPASS.with(|b| b.set(b.get() + 1));
+    IN_REAL_RUNTIME.fetch_add(1, Relaxed);
     let r = f();
+    IN_REAL_RUNTIME.fetch_sub(1, Relaxed);
     BYPASS.with(|b| b.set(b.get() - 1));
     r
 }
 
 /// The state when this call should be served.
+#[inline]
 fn serving() -> Option<&'static State> {
-    if bypassed() || !crate::enabled() {
-        return None;
-    }
-    State::get()
+    let s = State::serving()?;
+    (!bypassed()).then_some(s)
 }
 
 /// The state when a free should be checked: also inside a real runtime call, since the
 /// runtime may free there a block it got from the hooks earlier.
+#[inline]
 fn serving_frees() -> Option<&'static State> {
-    if !crate::enabled() {
-        return None;
-    }
-    State::get()
+    State::serving()
 }
 
 /// Runs a hook body; a panic becomes `UNKNOWN` (999) instead of unwinding into C.
@@ -209,9 +220,18 @@ fn host_alloc(state: &State, out: *mut *mut c_void, size: usize, flags: c_uint) 
     if flags & !SERVED_HOST_FLAGS != 0 {
         return None;
     }
-    Some(match state.host().malloc(size) {
+    // Blocks freed earlier wait in the devices' batches.
+    state.reclaim_for_host(false);
+    let r = match state.host().malloc(size) {
+        Err(Error::OutOfMemory(_)) => {
+            state.reclaim_for_host(true);
+            state.host().malloc(size)
+        }
+        other => other,
+    };
+    Some(match r {
         Ok(b) => {
-            state.host_live.insert(b.ptr, b.ctx);
+            state.host_handed_out(b.ptr, b.ctx, size);
             state.host_known.insert(b.ptr, ());
             state.counters.host_served.fetch_add(1, Relaxed);
             // SAFETY: checked non-NULL by the hook.
@@ -223,21 +243,22 @@ fn host_alloc(state: &State, out: *mut *mut c_void, size: usize, flags: c_uint) 
 }
 
 /// Returns pinned memory to the cache once the work already queued on the current device's
-/// legacy stream and non-blocking streams is done; `None` when the pointer is not ours.
+/// legacy stream and non-blocking streams is done (it joins the device's batch of frees);
+/// `None` when the pointer is not ours.
 fn host_free(state: &State, call: &str, ptr: usize) -> Option<Status> {
-    let Some(ctx) = state.host_live.remove(ptr) else {
-        return state.host_known.remove(ptr).map(|()| {
-            state.host_known.insert(ptr, ());
-            invalid_free(state, call, ptr)
-        });
+    let Some(ctx) = state.take_host_live(ptr) else {
+        return state
+            .host_known
+            .contains(ptr)
+            .then(|| invalid_free(state, call, ptr));
     };
+    if let Some(d) = state.current_device() {
+        state.free_host_deferred(d, ptr, ctx);
+        return Some(SUCCESS);
+    }
+    // No context on this thread: an event on the legacy stream guards the block alone.
     let host = state.host();
     host.record_event(ptr, Some(ctx), 0);
-    if let Some(d) = state.current_device() {
-        for s in d.nonblocking_streams() {
-            host.record_event(ptr, Some(ctx), s);
-        }
-    }
     Some(match host.free(ptr, Some(ctx)) {
         Ok(()) => SUCCESS,
         Err(e) => status_of(e),
@@ -269,7 +290,7 @@ fn note_stream_created(state: &State, d: Option<&Device>, stream: CuStream, flag
 }
 
 fn note_stream_destroyed(stream: CuStream) {
-    crate::state::stream_destroyed();
+    crate::state::stream_destroyed(stream as Stream);
     if let Some(state) = serving() {
         for d in state.devices() {
             d.remove_stream(stream as Stream);
@@ -310,26 +331,55 @@ pub unsafe extern "C" fn cuMemFree_v2(dptr: u64) -> Status {
     })
 }
 
-fn mem_alloc_async(dptr: *mut u64, bytesize: usize, stream: Stream) -> Option<Status> {
+/// A stream-ordered allocation (`current`: how the call finds its device for the special
+/// streams); `None` when it passes through.
+fn serve_alloc_async(
+    out: *mut usize,
+    size: usize,
+    stream: Stream,
+    current: impl FnOnce(&State) -> Option<&Device>,
+) -> Option<Status> {
     let s = serving()?;
-    if !dptr.is_null() && bytesize != 0 {
-        if let Some((d, key)) = stream_target(s, stream, State::current_device) {
-            return Some(alloc_async(s, d, key, dptr.cast(), bytesize));
+    if !out.is_null() && size != 0 {
+        if let Some((d, key)) = stream_target(s, stream, current) {
+            return Some(alloc_async(s, d, key, out, size));
         }
     }
     s.passed();
     None
 }
 
-fn mem_free_async(dptr: u64, stream: Stream) -> Option<Status> {
-    let s = serving_frees()?;
-    if dptr != 0 {
-        if let Some(r) = free_async(s, "cuMemFreeAsync", dptr as usize, stream) {
+/// A stream-ordered free; `None` when it passes through.
+fn serve_free_async(
+    state: Option<&State>,
+    call: &str,
+    ptr: usize,
+    stream: Stream,
+) -> Option<Status> {
+    let s = state?;
+    if ptr != 0 {
+        if let Some(r) = free_async(s, call, ptr, stream) {
             return Some(r);
         }
     }
     s.passed();
     None
+}
+
+fn mem_alloc_async(dptr: *mut u64, bytesize: usize, stream: Stream) -> Option<Status> {
+    serve_alloc_async(dptr.cast(), bytesize, stream, State::current_device)
+}
+
+fn mem_free_async(dptr: u64, stream: Stream) -> Option<Status> {
+    serve_free_async(serving_frees(), "cuMemFreeAsync", dptr as usize, stream)
+}
+
+fn runtime_malloc_async(dev_ptr: *mut *mut c_void, size: usize, stream: Stream) -> Option<Status> {
+    serve_alloc_async(dev_ptr.cast(), size, stream, runtime_device)
+}
+
+fn runtime_free_async(dev_ptr: *mut c_void, stream: Stream) -> Option<Status> {
+    serve_free_async(serving(), "cudaFreeAsync", dev_ptr as usize, stream)
 }
 
 #[no_mangle]
@@ -360,12 +410,7 @@ pub unsafe extern "C" fn cuMemAllocAsync_ptsz(
     hStream: CuStream,
 ) -> Status {
     boundary(|| {
-        let stream = if hStream.is_null() {
-            STREAM_PER_THREAD
-        } else {
-            hStream as Stream
-        };
-        mem_alloc_async(dptr, bytesize, stream)
+        mem_alloc_async(dptr, bytesize, per_thread(hStream))
             .unwrap_or_else(|| real_or!(cuMemAllocAsync_ptsz(dptr, bytesize, hStream), UNKNOWN))
     })
 }
@@ -374,12 +419,7 @@ pub unsafe extern "C" fn cuMemAllocAsync_ptsz(
 #[no_mangle]
 pub unsafe extern "C" fn cuMemFreeAsync_ptsz(dptr: u64, hStream: CuStream) -> Status {
     boundary(|| {
-        let stream = if hStream.is_null() {
-            STREAM_PER_THREAD
-        } else {
-            hStream as Stream
-        };
-        mem_free_async(dptr, stream)
+        mem_free_async(dptr, per_thread(hStream))
             .unwrap_or_else(|| real_or!(cuMemFreeAsync_ptsz(dptr, hStream), UNKNOWN))
     })
 }
@@ -606,6 +646,15 @@ pub unsafe extern "C" fn cudaFree(devPtr: *mut c_void) -> Status {
     })
 }
 
+/// The stream a `_ptsz` call means: its NULL stream is the calling thread's default stream.
+fn per_thread(stream: CuStream) -> Stream {
+    if stream.is_null() {
+        STREAM_PER_THREAD
+    } else {
+        stream as Stream
+    }
+}
+
 #[no_mangle]
 pub unsafe extern "C" fn cudaMallocAsync(
     devPtr: *mut *mut c_void,
@@ -613,31 +662,41 @@ pub unsafe extern "C" fn cudaMallocAsync(
     hStream: CuStream,
 ) -> Status {
     boundary(|| {
-        if let Some(s) = serving() {
-            if !devPtr.is_null() && size != 0 {
-                if let Some((d, key)) = stream_target(s, hStream as Stream, runtime_device) {
-                    return alloc_async(s, d, key, devPtr.cast(), size);
-                }
-            }
-            s.passed();
-        }
-        through(|| real_or!(cudaMallocAsync(devPtr, size, hStream), UNKNOWN))
+        runtime_malloc_async(devPtr, size, hStream as Stream).unwrap_or_else(|| {
+            through(|| real_or!(cudaMallocAsync(devPtr, size, hStream), UNKNOWN))
+        })
     })
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn cudaFreeAsync(devPtr: *mut c_void, hStream: CuStream) -> Status {
     boundary(|| {
-        if let Some(s) = serving() {
-            if !devPtr.is_null() {
-                if let Some(r) = free_async(s, "cudaFreeAsync", devPtr as usize, hStream as Stream)
-                {
-                    return r;
-                }
-            }
-            s.passed();
-        }
-        through(|| real_or!(cudaFreeAsync(devPtr, hStream), UNKNOWN))
+        runtime_free_async(devPtr, hStream as Stream)
+            .unwrap_or_else(|| through(|| real_or!(cudaFreeAsync(devPtr, hStream), UNKNOWN)))
+    })
+}
+
+/// `cudaMallocAsync` of a program built with `--default-stream per-thread`
+/// (`CUDA_API_PER_THREAD_DEFAULT_STREAM`).
+#[no_mangle]
+pub unsafe extern "C" fn cudaMallocAsync_ptsz(
+    devPtr: *mut *mut c_void,
+    size: usize,
+    hStream: CuStream,
+) -> Status {
+    boundary(|| {
+        runtime_malloc_async(devPtr, size, per_thread(hStream)).unwrap_or_else(|| {
+            through(|| real_or!(cudaMallocAsync_ptsz(devPtr, size, hStream), UNKNOWN))
+        })
+    })
+}
+
+/// `cudaFreeAsync` of a program built with `--default-stream per-thread`.
+#[no_mangle]
+pub unsafe extern "C" fn cudaFreeAsync_ptsz(devPtr: *mut c_void, hStream: CuStream) -> Status {
+    boundary(|| {
+        runtime_free_async(devPtr, per_thread(hStream))
+            .unwrap_or_else(|| through(|| real_or!(cudaFreeAsync_ptsz(devPtr, hStream), UNKNOWN)))
     })
 }
 

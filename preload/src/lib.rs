@@ -5,7 +5,9 @@
 //! - `real`: the real functions behind them, and the interposed `dlsym` through which a CUDA
 //!   runtime finds the driver's `cuGetProcAddress`;
 //! - `state`: the allocators, the deferred frees that give `cudaFree` its synchronous meaning,
-//!   the pointers handed out, and the statistics.
+//!   and the statistics;
+//! - `front`: blocks freed in stream order, kept for the next allocation on their stream;
+//! - `live`: the pointers handed out.
 //!
 //! Nothing happens at load time: the first CUDA call builds the state (and with it loads the
 //! driver), so a program that never calls CUDA runs as if the library were not there.
@@ -15,32 +17,34 @@
 
 #![deny(unsafe_op_in_unsafe_fn)]
 
-use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU8, Ordering};
 
+mod front;
 pub mod hooks;
+mod live;
 mod real;
 mod state;
 
 const MODE_UNKNOWN: u8 = 0;
 const MODE_ON: u8 = 1;
+/// `TENSORALLOC_PRELOAD=off`, or a child forked after the allocators were built.
 const MODE_OFF: u8 = 2;
 
 static MODE: AtomicU8 = AtomicU8::new(MODE_UNKNOWN);
-/// Set in a child process forked after the allocators were built.
-static FORKED_CHILD: AtomicBool = AtomicBool::new(false);
 
 /// Whether the hooks serve allocations (`TENSORALLOC_PRELOAD` is not `off`, and this is not a
 /// child forked from a process that used them). Allocation-free: `dlsym` asks it too.
 pub fn enabled() -> bool {
-    let mode = match MODE.load(Ordering::Relaxed) {
-        MODE_UNKNOWN => {
+    match MODE.load(Ordering::Relaxed) {
+        MODE_ON => true,
+        MODE_OFF => false,
+        _ => {
             let mode = if setting_is_off() { MODE_OFF } else { MODE_ON };
-            MODE.store(mode, Ordering::Relaxed);
-            mode
+            // A fork handler's OFF wins over a first look racing with it.
+            let _ = MODE.compare_exchange(MODE_UNKNOWN, mode, Ordering::Relaxed, Ordering::Relaxed);
+            MODE.load(Ordering::Relaxed) == MODE_ON
         }
-        m => m,
-    };
-    mode == MODE_ON && !FORKED_CHILD.load(Ordering::Relaxed)
+    }
 }
 
 fn setting_is_off() -> bool {
@@ -58,11 +62,12 @@ fn setting_is_off() -> bool {
 }
 
 extern "C" fn in_forked_child() {
-    FORKED_CHILD.store(true, Ordering::Relaxed);
+    MODE.store(MODE_OFF, Ordering::Relaxed);
+    state::stop_serving();
 }
 
 /// Makes a child forked from now on pass everything through.
 fn register_fork_handler() {
-    // SAFETY: registers a handler that only stores an atomic, which is async-signal-safe.
+    // SAFETY: registers a handler that only stores atomics, which is async-signal-safe.
     unsafe { libc::pthread_atfork(None, None, Some(in_forked_child)) };
 }

@@ -184,6 +184,8 @@ real_fns! {
     runtime_fn cudaFree: fn(*mut c_void) -> Status;
     runtime_fn cudaMallocAsync: fn(*mut *mut c_void, usize, CuStream) -> Status;
     runtime_fn cudaFreeAsync: fn(*mut c_void, CuStream) -> Status;
+    runtime_fn cudaMallocAsync_ptsz: fn(*mut *mut c_void, usize, CuStream) -> Status;
+    runtime_fn cudaFreeAsync_ptsz: fn(*mut c_void, CuStream) -> Status;
     runtime_fn cudaMallocHost: fn(*mut *mut c_void, usize) -> Status;
     runtime_fn cudaHostAlloc: fn(*mut *mut c_void, usize, c_uint) -> Status;
     runtime_fn cudaFreeHost: fn(*mut c_void) -> Status;

@@ -13,11 +13,21 @@
 //!   allocated on is reused there at once, on other streams after an event.
 //! - Blocks synchronous allocations hand out belong to a pool of their own ([`SYNC_POOL`]), so
 //!   stream-ordered reuse never hands them to a stream early.
+//! - A block freed in stream order on its own stream is kept aside for the next allocation of
+//!   its size on that stream, and a synchronous allocation's block whose batch completed for the
+//!   next synchronous allocation of its size ([`crate::front`]), without going through the
+//!   allocator.
+//! - `cudaFreeHost`/`cuMemFreeHost` blocks join the same batches (of the calling thread's
+//!   current device): they return to the pinned cache when the batch's markers have completed.
+//!
+//! The hot paths (a cached pair) take no lock of their own but the batch lock of a synchronous
+//! free, touch no thread-local storage, and read the settings through one atomic: the live
+//! allocations are a lock-free table ([`crate::live`]), the device of a context or stream is
+//! found in small shared caches filled on first sight.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashSet, VecDeque};
 use std::ffi::c_int;
-use std::hash::{BuildHasherDefault, Hasher};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, AtomicU64, AtomicUsize, Ordering::*};
 use std::sync::Arc;
 
 use once_cell::sync::OnceCell;
@@ -30,6 +40,8 @@ use tensoralloc::driver::{Driver, Event, Stream};
 use tensoralloc::host::HostAllocator;
 use tensoralloc::Error;
 
+use crate::front::{self, Front};
+use crate::live::{Live, LiveTable, PtrMap, HOST};
 use crate::real::{self, CuContext, Status};
 
 /// The pool key of blocks from synchronous allocations (never a stream handle).
@@ -47,58 +59,18 @@ const CLOSE_AT_ALLOC_BYTES: usize = 2 << 20;
 const CLOSE_AT_FREE_BLOCKS: usize = 1024;
 const CLOSE_AT_FREE_BYTES: usize = 256 << 20;
 
-/// A hasher for addresses (512-byte aligned): one multiplication.
-#[derive(Default)]
-pub struct PtrHasher(u64);
+/// While a batch is in flight, an allocation looks at its markers once per this many.
+const POLL_EVERY: u32 = 8;
 
-impl Hasher for PtrHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = (self.0 ^ b as u64).wrapping_mul(0x100_0000_01b3);
-        }
-    }
-    fn write_usize(&mut self, x: usize) {
-        let h = (x as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-        self.0 = h ^ (h >> 29);
-    }
-}
-
-type Map<V> = HashMap<usize, V, BuildHasherDefault<PtrHasher>>;
-const MAP_SHARDS: usize = 32;
-
-/// A map from addresses, sharded so threads rarely meet on a lock.
-pub struct PtrMap<V> {
-    shards: [Mutex<Map<V>>; MAP_SHARDS],
-}
-
-impl<V> PtrMap<V> {
-    fn new() -> Self {
-        PtrMap {
-            shards: std::array::from_fn(|_| Mutex::new(Map::default())),
-        }
-    }
-    fn shard(&self, ptr: usize) -> &Mutex<Map<V>> {
-        &self.shards[(ptr >> 9) % MAP_SHARDS]
-    }
-    pub fn insert(&self, ptr: usize, v: V) {
-        self.shard(ptr).lock().insert(ptr, v);
-    }
-    pub fn remove(&self, ptr: usize) -> Option<V> {
-        self.shard(ptr).lock().remove(&ptr)
-    }
-}
-
-/// A device allocation handed out by a hook.
-#[derive(Clone, Copy)]
-pub struct Live {
-    pub device: u32,
-    /// The size of its block (the request rounded as the allocator rounds it).
-    pub size: usize,
-    /// The pool it came from: a stream handle, or [`SYNC_POOL`].
-    pub pool: Stream,
+/// What [`Device::reclaim`] does besides returning the batches whose markers completed.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Reclaim {
+    /// Closes the open batch when it is due and none is in flight.
+    Poll,
+    /// Also closes it when it holds pinned blocks.
+    CloseForHost,
+    /// Synchronises the device and takes everything back.
+    All,
 }
 
 /// Event counts shown at exit, for the paths that are not hot (the allocator's own statistics
@@ -115,7 +87,10 @@ pub struct Counters {
 /// Frees of one device waiting for their markers.
 #[derive(Default)]
 struct Deferred {
-    open: Vec<usize>,
+    /// Device blocks: address, pool and size asked for.
+    open: Vec<(usize, Stream, usize)>,
+    /// Pinned-host blocks: address and the host allocator's context.
+    open_host: Vec<(usize, usize)>,
     open_bytes: usize,
     closed: VecDeque<Batch>,
     /// Bytes in `open` and `closed`.
@@ -128,9 +103,17 @@ struct Deferred {
     deferred_total: u64,
 }
 
+impl Deferred {
+    fn open_blocks(&self) -> usize {
+        self.open.len() + self.open_host.len()
+    }
+}
+
 struct Batch {
     markers: Vec<Event>,
-    ptrs: Vec<usize>,
+    ptrs: Vec<(usize, Stream, usize)>,
+    host: Vec<(usize, usize)>,
+    /// Device bytes.
     bytes: usize,
 }
 
@@ -141,9 +124,20 @@ pub struct Device {
     /// The primary context (the one the CUDA runtime uses), retained for the process.
     pub primary: usize,
     deferred: Mutex<Deferred>,
-    /// Blocks in `deferred.open` and `deferred.closed`, readable without the lock.
+    /// Blocks in `deferred.open` and `deferred.closed`, readable without the lock (written
+    /// under it).
     pending: AtomicUsize,
     closed_batches: AtomicUsize,
+    /// The open batch is large enough to be closed at the next allocation.
+    close_due: AtomicBool,
+    /// Allocations since the markers were last looked at.
+    poll_tick: AtomicU32,
+    /// The open batch holds pinned blocks.
+    host_waiting: AtomicBool,
+    /// Blocks freed in stream order, kept for their stream.
+    by_stream: Front,
+    /// Blocks of synchronous allocations whose batch completed, kept by size.
+    by_size: Front,
 }
 
 /// Everything the hooks share.
@@ -151,33 +145,72 @@ pub struct State {
     pub driver: Arc<CudaDriver>,
     pub config: Config,
     devices: Box<[OnceCell<Device>]>,
+    /// Each device's primary context once the device is made (0 before), to recognise the
+    /// current context without asking the driver more than for the context itself.
+    primaries: Box<[AtomicUsize]>,
     host: OnceCell<HostAllocator>,
-    pub live: PtrMap<Live>,
-    /// Pinned blocks handed out: address -> the allocator's context for it.
-    pub host_live: PtrMap<usize>,
+    /// Device and pinned-host allocations handed out.
+    pub live: LiveTable,
     /// Every pinned address ever handed out, to tell a double free from a foreign pointer.
     pub host_known: PtrMap<()>,
     pub counters: Counters,
 }
 
 static STATE: OnceCell<Option<State>> = OnceCell::new();
+/// The built state while the hooks serve (null before, when disabled, and in a forked child):
+/// what a hot path reads, one load.
+static SERVING: AtomicPtr<State> = AtomicPtr::new(std::ptr::null_mut());
 
-thread_local! {
-    /// The last context seen current on this thread and its device (or `usize::MAX`).
-    static LAST_CONTEXT: std::cell::Cell<(usize, usize)> = const { std::cell::Cell::new((0, usize::MAX)) };
-    /// The last stream this thread allocated on, its device, and [`STREAM_GENERATION`] then.
-    static LAST_STREAM: std::cell::Cell<(usize, usize, u64)> = const { std::cell::Cell::new((0, usize::MAX, u64::MAX)) };
+/// Stream handle -> device, for the streams seen: `stream << 8 | (device + 1)` in the slot of
+/// the stream's hash (a later stream with the same hash takes the slot over). Handles at or
+/// above 2^56 are not cached.
+const STREAM_SLOTS: usize = 256;
+static STREAM_CACHE: [AtomicU64; STREAM_SLOTS] = [const { AtomicU64::new(0) }; STREAM_SLOTS];
+
+fn stream_slot(stream: Stream) -> &'static AtomicU64 {
+    let h = (stream as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    &STREAM_CACHE[(h >> (64 - STREAM_SLOTS.trailing_zeros())) as usize]
 }
 
-/// Bumped whenever a stream is destroyed: a handle may name another stream afterwards.
-static STREAM_GENERATION: AtomicU64 = AtomicU64::new(0);
+/// Forgets a destroyed stream (its handle may name another stream afterwards).
+pub fn stream_destroyed(stream: Stream) {
+    let slot = stream_slot(stream);
+    let cur = slot.load(Relaxed);
+    if cur >> 8 == stream as u64 {
+        let _ = slot.compare_exchange(cur, 0, Relaxed, Relaxed);
+    }
+}
 
-/// Forgets what the threads know about stream handles (one was destroyed).
-pub fn stream_destroyed() {
-    STREAM_GENERATION.fetch_add(1, Relaxed);
+/// Stops serving (in a forked child).
+pub fn stop_serving() {
+    SERVING.store(std::ptr::null_mut(), Relaxed);
 }
 
 impl State {
+    /// The state when the hooks serve: one atomic load once it is built.
+    #[inline]
+    pub fn serving() -> Option<&'static State> {
+        let p = SERVING.load(Acquire);
+        if p.is_null() {
+            return Self::serving_slow();
+        }
+        // SAFETY: SERVING only ever points into STATE, which lives for the process.
+        Some(unsafe { &*p })
+    }
+
+    #[cold]
+    fn serving_slow() -> Option<&'static State> {
+        if !crate::enabled() {
+            return None;
+        }
+        let s = Self::get()?;
+        // A fork between the check above and here leaves the child serving: it re-checks.
+        if crate::enabled() {
+            SERVING.store(s as *const State as *mut State, Release);
+        }
+        Some(s)
+    }
+
     /// The state, built on the first call; `None` (everything passes through) when the
     /// driver or the configuration cannot be used, which is said once on stderr.
     pub fn get() -> Option<&'static State> {
@@ -207,9 +240,9 @@ impl State {
             driver,
             config,
             devices: (0..count).map(|_| OnceCell::new()).collect(),
+            primaries: (0..count).map(|_| AtomicUsize::new(0)).collect(),
             host: OnceCell::new(),
-            live: PtrMap::new(),
-            host_live: PtrMap::new(),
+            live: LiveTable::new(),
             host_known: PtrMap::new(),
             counters: Counters::default(),
         })
@@ -220,24 +253,43 @@ impl State {
     }
 
     /// Device `index`, made on first use (retaining its primary context).
+    #[inline]
     pub fn device(&self, index: usize) -> Option<&Device> {
         let cell = self.devices.get(index)?;
-        cell.get_or_try_init(|| {
-            let alloc = DeviceAllocator::new(self.dyn_driver(), index, &self.config)?;
-            let primary = retain_primary(index)?;
-            Ok::<_, Error>(Device {
-                index,
-                alloc,
-                primary,
-                deferred: Mutex::new(Deferred::default()),
-                pending: AtomicUsize::new(0),
-                closed_batches: AtomicUsize::new(0),
+        match cell.get() {
+            Some(d) => Some(d),
+            None => self.make_device(cell, index),
+        }
+    }
+
+    #[cold]
+    fn make_device<'a>(&'a self, cell: &'a OnceCell<Device>, index: usize) -> Option<&'a Device> {
+        let d = cell
+            .get_or_try_init(|| {
+                let alloc = DeviceAllocator::new(self.dyn_driver(), index, &self.config)?;
+                let primary = retain_primary(index)?;
+                Ok::<_, Error>(Device {
+                    index,
+                    alloc,
+                    primary,
+                    deferred: Mutex::new(Deferred::default()),
+                    pending: AtomicUsize::new(0),
+                    closed_batches: AtomicUsize::new(0),
+                    close_due: AtomicBool::new(false),
+                    poll_tick: AtomicU32::new(0),
+                    host_waiting: AtomicBool::new(false),
+                    by_stream: Front::new(4),
+                    by_size: Front::new(64),
+                })
             })
-        })
-        .map_err(|e| {
-            eprintln!("tensoralloc preload: device {index} unusable, its calls pass through: {e}")
-        })
-        .ok()
+            .map_err(|e| {
+                eprintln!(
+                    "tensoralloc preload: device {index} unusable, its calls pass through: {e}"
+                )
+            })
+            .ok()?;
+        self.primaries[index].store(d.primary, Release);
+        Some(d)
     }
 
     /// Devices made so far.
@@ -252,15 +304,22 @@ impl State {
     }
 
     /// The device whose primary context `ctx` is, if it is one.
+    #[inline]
     pub fn device_of_context(&self, ctx: CuContext) -> Option<&Device> {
         let ctx = ctx as usize;
         if ctx == 0 {
             return None;
         }
-        let (last_ctx, last_dev) = LAST_CONTEXT.with(|c| c.get());
-        if last_ctx == ctx {
-            return self.devices.get(last_dev)?.get();
+        for (i, p) in self.primaries.iter().enumerate() {
+            if p.load(Acquire) == ctx {
+                return self.devices[i].get();
+            }
         }
+        self.device_of_context_slow(ctx)
+    }
+
+    #[cold]
+    fn device_of_context_slow(&self, ctx: usize) -> Option<&Device> {
         let push = real::cuCtxPushCurrent_v2()?;
         let pop = real::cuCtxPopCurrent_v2()?;
         let get_device = real::cuCtxGetDevice()?;
@@ -275,11 +334,7 @@ impl State {
             pop(std::ptr::null_mut());
         }
         let device = self.device(usize::try_from(ordinal).ok()?)?;
-        if device.primary != ctx {
-            return None;
-        }
-        LAST_CONTEXT.with(|c| c.set((ctx, device.index)));
-        Some(device)
+        (device.primary == ctx).then_some(device)
     }
 
     /// The device of the calling thread's current context, when that is a primary context.
@@ -295,17 +350,20 @@ impl State {
 
     /// The device of a stream handle (other than the special handles 0, 1, 2), when it
     /// belongs to a primary context.
+    #[inline]
     pub fn stream_device(&self, stream: Stream) -> Option<&Device> {
-        let generation = STREAM_GENERATION.load(Relaxed);
-        let (last, dev, seen) = LAST_STREAM.with(|c| c.get());
-        if last == stream && seen == generation {
-            return self.devices.get(dev)?.get();
+        let cached = stream_slot(stream).load(Relaxed);
+        if cached >> 8 == stream as u64 && cached & 0xff != 0 {
+            return self.devices.get((cached & 0xff) as usize - 1)?.get();
         }
         let d = self.stream_device_uncached(stream)?;
-        LAST_STREAM.with(|c| c.set((stream, d.index, generation)));
+        if (stream as u64) < 1 << 56 && d.index < 0xff {
+            stream_slot(stream).store((stream as u64) << 8 | (d.index as u64 + 1), Relaxed);
+        }
         Some(d)
     }
 
+    #[cold]
     fn stream_device_uncached(&self, stream: Stream) -> Option<&Device> {
         let get = real::cuStreamGetCtx()?;
         let mut ctx: CuContext = std::ptr::null_mut();
@@ -316,9 +374,15 @@ impl State {
         self.device_of_context(ctx)
     }
 
-    /// Where the allocation at `ptr` came from, if it is a live allocation of ours.
+    /// Where the device allocation at `ptr` came from, if it is a live allocation of ours.
+    #[inline]
     pub fn take_live(&self, ptr: usize) -> Option<Live> {
-        self.live.remove(ptr)
+        let live = self.live.remove(ptr)?;
+        if live.device == HOST {
+            self.live.insert(ptr, live);
+            return None;
+        }
+        Some(live)
     }
 
     /// Whether `ptr` lies in memory this state's allocators own (a double free when it is not
@@ -328,45 +392,58 @@ impl State {
     }
 
     /// Allocates for a synchronous `cudaMalloc`/`cuMemAlloc`.
+    #[inline]
     pub fn malloc_sync(&self, d: &Device, size: usize) -> tensoralloc::Result<usize> {
         if d.pending.load(Relaxed) != 0 {
-            d.reclaim(self, false);
+            d.maybe_reclaim(self);
         }
-        let ptr = match d.alloc.malloc(size, SYNC_POOL) {
-            Err(Error::OutOfMemory(_)) if d.pending.load(Relaxed) != 0 => {
-                d.reclaim(self, true);
-                d.alloc.malloc(size, SYNC_POOL)?
-            }
-            other => other?,
-        };
-        self.handed_out(d, ptr, size, SYNC_POOL);
-        Ok(ptr)
+        self.malloc_from(d, &d.by_size, size, size, SYNC_POOL)
     }
 
     /// Allocates in `stream`'s order.
+    #[inline]
     pub fn malloc_async(
         &self,
         d: &Device,
         size: usize,
         stream: Stream,
     ) -> tensoralloc::Result<usize> {
-        let ptr = match d.alloc.malloc(size, stream) {
-            Err(Error::OutOfMemory(_)) if d.pending.load(Relaxed) != 0 => {
-                d.reclaim(self, true);
-                d.alloc.malloc(size, stream)?
-            }
-            other => other?,
+        self.malloc_from(d, &d.by_stream, stream, size, stream)
+    }
+
+    /// Allocates for `pool`: a block kept under `key` in `front` when there is one, else from
+    /// the allocator (making room once when memory is short).
+    #[inline]
+    fn malloc_from(
+        &self,
+        d: &Device,
+        front: &Front,
+        key: usize,
+        size: usize,
+        pool: Stream,
+    ) -> tensoralloc::Result<usize> {
+        let kept = if size <= front::MAX_BYTES {
+            front.take(key, size)
+        } else {
+            None
         };
-        self.handed_out(d, ptr, size, stream);
+        let ptr = match kept {
+            Some(ptr) => ptr,
+            None => match d.alloc.malloc(size, pool) {
+                Err(Error::OutOfMemory(_)) if d.make_room(self) => d.alloc.malloc(size, pool)?,
+                other => other?,
+            },
+        };
+        self.handed_out(d, ptr, size, pool);
         Ok(ptr)
     }
 
+    #[inline]
     fn handed_out(&self, d: &Device, ptr: usize, size: usize, pool: Stream) {
-        let size = round_size_with(size, self.config.divisions_for(size));
         self.live.insert(
             ptr,
             Live {
-                device: d.index as u32,
+                device: d.index as u8,
                 size,
                 pool,
             },
@@ -378,14 +455,63 @@ impl State {
         let Some(d) = self.device(live.device as usize) else {
             return;
         };
+        let size = round_size_with(live.size, self.config.divisions_for(live.size));
         let mut g = d.deferred.lock();
         g.deferred_total += 1;
-        g.open.push(ptr);
-        g.open_bytes += live.size;
-        g.held += live.size;
-        d.pending.fetch_add(1, Relaxed);
-        if g.open.len() >= CLOSE_AT_FREE_BLOCKS || g.open_bytes >= CLOSE_AT_FREE_BYTES {
-            d.close_batch(self, &mut g);
+        g.open.push((ptr, live.pool, live.size));
+        g.open_bytes += size;
+        g.held += size;
+        d.opened(self, &mut g);
+    }
+
+    /// Notes a pinned block handed out.
+    pub fn host_handed_out(&self, ptr: usize, ctx: usize, size: usize) {
+        self.live.insert(
+            ptr,
+            Live {
+                pool: ctx,
+                size,
+                device: HOST,
+            },
+        );
+    }
+
+    /// The host allocator's context of the pinned block at `ptr`, if it is live; a device
+    /// allocation stays live.
+    pub fn take_host_live(&self, ptr: usize) -> Option<usize> {
+        let live = self.live.remove(ptr)?;
+        if live.device != HOST {
+            self.live.insert(ptr, live);
+            return None;
+        }
+        Some(live.pool)
+    }
+
+    /// Returns a pinned block to the cache once the work queued so far on `d`'s legacy and
+    /// non-blocking streams is done: it joins `d`'s open batch.
+    pub fn free_host_deferred(&self, d: &Device, ptr: usize, ctx: usize) {
+        let mut g = d.deferred.lock();
+        g.open_host.push((ptr, ctx));
+        d.host_waiting.store(true, Relaxed);
+        d.opened(self, &mut g);
+    }
+
+    /// Lets every device look at its batches before pinned memory is allocated (blocks freed
+    /// with `cudaFreeHost` wait there): an open batch with pinned blocks is closed at once when
+    /// no batch is in flight, since pinning new memory costs far more than a marker. With
+    /// `all` (the cache is short), takes every block back.
+    pub fn reclaim_for_host(&self, all: bool) {
+        for d in self.devices() {
+            if d.pending.load(Relaxed) == 0 {
+                continue;
+            }
+            if all {
+                d.reclaim(self, Reclaim::All);
+            } else if d.closed_batches.load(Relaxed) == 0 && d.host_waiting.load(Relaxed) {
+                d.reclaim(self, Reclaim::CloseForHost);
+            } else {
+                d.maybe_reclaim(self);
+            }
         }
     }
 
@@ -396,6 +522,10 @@ impl State {
             .ok_or_else(|| Error::Internal(format!("device {} vanished", live.device)))?;
         if stream != live.pool {
             d.alloc.record_stream(ptr, stream)?;
+        } else if live.size <= front::MAX_BYTES {
+            d.by_stream
+                .keep(stream, live.size, ptr, |p, pool| d.give_back(p, pool));
+            return Ok(());
         }
         d.alloc.free(ptr, Some(live.pool))
     }
@@ -405,7 +535,12 @@ impl State {
         let stats = d.alloc.stats();
         let reserved = stats.reserved_bytes[0].current.max(0) as usize;
         let allocated = stats.allocated_bytes[0].current.max(0) as usize;
-        reserved.saturating_sub(allocated) + d.deferred.lock().held
+        let kept: usize = [&d.by_stream, &d.by_size]
+            .iter()
+            .flat_map(|f| f.summary().0)
+            .map(|size| round_size_with(size, self.config.divisions_for(size)))
+            .sum();
+        reserved.saturating_sub(allocated) + d.deferred.lock().held + kept
     }
 
     /// Counts one call that went to CUDA unchanged.
@@ -415,29 +550,62 @@ impl State {
 }
 
 impl Device {
+    /// After a block joined the open batch (the caller holds the lock): counts it, and closes
+    /// the batch when it is very large.
+    fn opened(&self, state: &State, g: &mut Deferred) {
+        self.pending.store(self.pending.load(Relaxed) + 1, Relaxed);
+        let blocks = g.open_blocks();
+        if blocks >= CLOSE_AT_FREE_BLOCKS || g.open_bytes >= CLOSE_AT_FREE_BYTES {
+            self.close_batch(state, g);
+        } else if blocks >= CLOSE_AT_ALLOC_BLOCKS || g.open_bytes >= CLOSE_AT_ALLOC_BYTES {
+            self.close_due.store(true, Relaxed);
+        }
+    }
+
+    /// What an allocation does while frees wait: closes the open batch when it is due and no
+    /// batch is in flight, and otherwise looks at the markers in flight now and then.
+    #[inline]
+    fn maybe_reclaim(&self, state: &State) {
+        let due = if self.closed_batches.load(Relaxed) == 0 {
+            self.close_due.load(Relaxed)
+        } else {
+            self.poll_tick
+                .fetch_add(1, Relaxed)
+                .is_multiple_of(POLL_EVERY)
+        };
+        if due {
+            self.reclaim(state, Reclaim::Poll);
+        }
+    }
+
     /// Returns to the cache the batches whose markers have completed, closing the open batch
     /// first when no batch is in flight and it is worth a marker. With `all` (memory is
     /// short), synchronises the device once and returns everything.
-    fn reclaim(&self, state: &State, all: bool) {
+    #[cold]
+    fn reclaim(&self, state: &State, how: Reclaim) {
         let mut g = self.deferred.lock();
-        if all {
+        if how == Reclaim::All {
             let open = std::mem::take(&mut g.open);
+            let open_host = std::mem::take(&mut g.open_host);
             g.open_bytes = 0;
+            self.close_due.store(false, Relaxed);
+            self.host_waiting.store(false, Relaxed);
             let batches: Vec<Batch> = g.closed.drain(..).collect();
             self.synchronize(state);
-            for ptr in open {
-                self.release(ptr);
-            }
+            self.release(state, &open, &open_host);
             for b in batches {
-                self.finish_batch(&mut g, b);
+                self.finish_batch(state, &mut g, b);
             }
             g.held = 0;
+            self.pending.store(0, Relaxed);
             self.closed_batches.store(0, Relaxed);
             return;
         }
         self.poll(state, &mut g);
         if g.closed.is_empty()
-            && (g.open.len() >= CLOSE_AT_ALLOC_BLOCKS || g.open_bytes >= CLOSE_AT_ALLOC_BYTES)
+            && (g.open_blocks() >= CLOSE_AT_ALLOC_BLOCKS
+                || g.open_bytes >= CLOSE_AT_ALLOC_BYTES
+                || (how == Reclaim::CloseForHost && !g.open_host.is_empty()))
         {
             self.close_batch(state, &mut g);
             self.poll(state, &mut g);
@@ -458,33 +626,45 @@ impl Device {
                 break;
             }
             let b = g.closed.pop_front().expect("front exists");
-            self.closed_batches.fetch_sub(1, Relaxed);
+            self.closed_batches.store(g.closed.len(), Relaxed);
             g.held -= b.bytes;
-            self.finish_batch(g, b);
+            self.finish_batch(state, g, b);
         }
     }
 
-    fn finish_batch(&self, g: &mut Deferred, b: Batch) {
+    fn finish_batch(&self, state: &State, g: &mut Deferred, b: Batch) {
         g.spare_events.extend(b.markers);
-        for ptr in b.ptrs {
-            self.release(ptr);
-        }
+        self.release(state, &b.ptrs, &b.host);
+        let waiting = self.pending.load(Relaxed);
+        self.pending
+            .store(waiting.saturating_sub(b.ptrs.len() + b.host.len()), Relaxed);
     }
 
-    /// Returns one deferred block to the cache (the caller holds the deferred lock).
-    fn release(&self, ptr: usize) {
-        self.pending.fetch_sub(1, Relaxed);
-        if let Err(e) = self.alloc.free(ptr, None) {
-            eprintln!(
-                "tensoralloc preload: device {}: returning {ptr:#x} to the cache failed: {e}",
-                self.index
-            );
+    /// Returns deferred blocks to their caches (the caller holds the deferred lock and
+    /// counts them off `pending`).
+    fn release(&self, state: &State, ptrs: &[(usize, Stream, usize)], host: &[(usize, usize)]) {
+        for &(ptr, pool, size) in ptrs {
+            if pool == SYNC_POOL && size <= front::MAX_BYTES {
+                self.by_size
+                    .keep(size, size, ptr, |p, _| self.give_back(p, SYNC_POOL));
+            } else {
+                self.give_back(ptr, pool);
+            }
+        }
+        for &(ptr, ctx) in host {
+            if let Err(e) = state.host().free(ptr, Some(ctx)) {
+                eprintln!(
+                    "tensoralloc preload: returning pinned {ptr:#x} to the cache failed: {e}"
+                );
+            }
         }
     }
 
     /// Records the markers of the open batch (legacy stream and each non-blocking stream).
     fn close_batch(&self, state: &State, g: &mut Deferred) {
-        if g.open.is_empty() {
+        self.close_due.store(false, Relaxed);
+        self.host_waiting.store(false, Relaxed);
+        if g.open_blocks() == 0 {
             return;
         }
         let streams: Vec<Stream> = std::iter::once(0)
@@ -507,24 +687,24 @@ impl Device {
             .markers
             .fetch_add(markers.len() as u64, Relaxed);
         let ptrs = std::mem::take(&mut g.open);
+        let host = std::mem::take(&mut g.open_host);
         let bytes = std::mem::replace(&mut g.open_bytes, 0);
+        let b = Batch {
+            markers,
+            ptrs,
+            host,
+            bytes,
+        };
         if failed {
             // A stream could not take a marker (destroyed behind our back?): wait for the
             // whole device instead.
             self.synchronize(state);
-            g.spare_events.extend(markers);
             g.held -= bytes;
-            for ptr in ptrs {
-                self.release(ptr);
-            }
+            self.finish_batch(state, g, b);
             return;
         }
-        g.closed.push_back(Batch {
-            markers,
-            ptrs,
-            bytes,
-        });
-        self.closed_batches.fetch_add(1, Relaxed);
+        g.closed.push_back(b);
+        self.closed_batches.store(g.closed.len(), Relaxed);
     }
 
     /// Waits for all work of the device's primary context.
@@ -551,21 +731,52 @@ impl Device {
         self.deferred.lock().nonblocking.insert(stream);
     }
 
-    /// The non-blocking streams known on this device.
-    pub fn nonblocking_streams(&self) -> Vec<Stream> {
-        self.deferred.lock().nonblocking.iter().copied().collect()
-    }
-
-    /// Forgets a destroyed stream.
+    /// Forgets a destroyed stream, and gives back the blocks kept for it.
     pub fn remove_stream(&self, stream: Stream) {
         self.deferred.lock().nonblocking.remove(&stream);
+        self.by_stream
+            .drain(Some(stream), |p, pool| self.give_back(p, pool));
+    }
+
+    /// When an allocation found no memory: synchronises to take back the frees waiting for
+    /// markers, and gives back the blocks kept aside. Whether anything came back.
+    #[cold]
+    fn make_room(&self, state: &State) -> bool {
+        let mut freed = false;
+        if self.pending.load(Relaxed) != 0 {
+            self.reclaim(state, Reclaim::All);
+            freed = true;
+        }
+        self.by_stream.drain(None, |p, pool| {
+            self.give_back(p, pool);
+            freed = true;
+        });
+        self.by_size.drain(None, |p, _| {
+            self.give_back(p, SYNC_POOL);
+            freed = true;
+        });
+        freed
+    }
+
+    /// Returns a block to the allocator (said on stderr if that fails: nothing else to do).
+    fn give_back(&self, ptr: usize, pool: Stream) {
+        if let Err(e) = self.alloc.free(ptr, Some(pool)) {
+            eprintln!(
+                "tensoralloc preload: device {}: returning {ptr:#x} to the cache failed: {e}",
+                self.index
+            );
+        }
     }
 
     /// Frees deferred so far, blocks waiting for a marker, batches in flight, and bytes held
     /// (for the statistics).
     fn deferred_summary(&self) -> (u64, usize, usize, usize) {
         let g = self.deferred.lock();
-        let waiting = g.open.len() + g.closed.iter().map(|b| b.ptrs.len()).sum::<usize>();
+        let waiting = g.open_blocks()
+            + g.closed
+                .iter()
+                .map(|b| b.ptrs.len() + b.host.len())
+                .sum::<usize>();
         (g.deferred_total, waiting, g.closed.len(), g.held)
     }
 }
@@ -613,7 +824,8 @@ impl State {
         for d in self.devices() {
             let s = d.alloc.stats();
             let (total, waiting, batches, held) = d.deferred_summary();
-            served += s.allocation[0].allocated;
+            let hits = d.by_stream.summary().1 + d.by_size.summary().1;
+            served += s.allocation[0].allocated + hits as i64;
             deferred += total;
             let _ = writeln!(
                 lines,

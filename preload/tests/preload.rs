@@ -24,7 +24,13 @@ fn built(name: &str) -> PathBuf {
     p
 }
 
+/// The library `cargo test` just built (`deps/`: it does not copy a cdylib up to the profile
+/// directory, where `cargo build` puts it).
 fn preload_lib() -> PathBuf {
+    let fresh = profile_dir().join("deps/libtensoralloc_preload.so");
+    if fresh.is_file() {
+        return fresh;
+    }
     built("libtensoralloc_preload.so")
 }
 
@@ -58,34 +64,81 @@ fn cuda_include() -> PathBuf {
     dir
 }
 
-/// Compiles `tests/c/<name>.c` once per test run.
-fn program(name: &'static str) -> PathBuf {
+fn c_source(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(format!("tests/c/{name}.c"))
+}
+
+/// Runs the C compiler with the project's warnings and NVIDIA's headers.
+fn compile(what: &str, args: impl IntoIterator<Item = std::ffi::OsString>) {
+    let out = Command::new(std::env::var("CC").unwrap_or_else(|_| "cc".into()))
+        .args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-O1", "-I"])
+        .arg(cuda_include())
+        .args(args)
+        .output()
+        .expect("run the C compiler");
+    assert!(
+        out.status.success(),
+        "{what} does not compile:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// `libcudart.so` on the fake driver: `tests/c/fake_cudart.c`, next to the fake driver.
+fn fake_runtime() {
+    static BUILT: OnceLock<()> = OnceLock::new();
+    BUILT.get_or_init(|| {
+        let dir = fake_dir();
+        compile(
+            "fake_cudart.c",
+            [
+                "-shared".into(),
+                "-fPIC".into(),
+                "-o".into(),
+                dir.join("libcudart.so").into_os_string(),
+                c_source("fake_cudart").into_os_string(),
+                "-L".into(),
+                dir.as_os_str().to_owned(),
+                "-lcuda".into(),
+            ],
+        );
+    });
+}
+
+/// Compiles `tests/c/<source>.c` as `<exe>` with `defines`, once per test run.
+fn program_variant(source: &str, exe: &'static str, defines: &[&str]) -> PathBuf {
     static BUILT: OnceLock<std::sync::Mutex<Vec<(&'static str, PathBuf)>>> = OnceLock::new();
     let built = BUILT.get_or_init(Default::default);
     let mut built = built.lock().unwrap();
-    if let Some((_, p)) = built.iter().find(|(n, _)| *n == name) {
+    if let Some((_, p)) = built.iter().find(|(n, _)| *n == exe) {
         return p.clone();
     }
-    let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(format!("tests/c/{name}.c"));
-    let exe = profile_dir().join("preload-tests").join(name);
-    let mut cmd = Command::new(std::env::var("CC").unwrap_or_else(|_| "cc".into()));
-    cmd.args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-O1", "-o"])
-        .arg(&exe)
-        .arg(&src)
-        .arg("-I")
-        .arg(cuda_include());
-    if name == "driver_direct" {
-        cmd.arg("-L").arg(fake_dir()).arg("-lcuda");
+    let path = profile_dir().join("preload-tests").join(exe);
+    let mut args: Vec<std::ffi::OsString> = defines.iter().map(Into::into).collect();
+    args.extend([
+        "-o".into(),
+        path.clone().into_os_string(),
+        c_source(source).into(),
+    ]);
+    let dir = fake_dir().as_os_str().to_owned();
+    match source {
+        "driver_direct" => args.extend(["-L".into(), dir, "-lcuda".into()]),
+        "runtime_async" => {
+            fake_runtime();
+            let mut rpath_link = std::ffi::OsString::from("-Wl,-rpath-link,");
+            rpath_link.push(&dir);
+            args.extend(["-L".into(), dir, rpath_link, "-lcudart".into()]);
+        }
+        _ => {}
     }
-    cmd.args(["-ldl", "-lpthread"]);
-    let out = cmd.output().expect("run the C compiler");
-    assert!(
-        out.status.success(),
-        "{name}.c does not compile:\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    built.push((name, exe.clone()));
-    exe
+    args.extend(["-ldl".into(), "-lpthread".into()]);
+    compile(&format!("{source}.c"), args);
+    built.push((exe, path.clone()));
+    path
+}
+
+/// Compiles `tests/c/<name>.c` once per test run.
+fn program(name: &'static str) -> PathBuf {
+    program_variant(name, name, &[])
 }
 
 struct Run {
@@ -141,15 +194,29 @@ fn run_with(exe: &Path, args: &[&str], preload: bool, env: &[(&str, &str)]) -> R
     run
 }
 
+/// Runs `driver_direct <mode>` with the preload and the environment `env`.
+fn driver_direct_with(mode: &str, env: &[(&str, &str)]) -> Run {
+    run_with(&program("driver_direct"), &[mode], true, env)
+}
+
+/// Runs `driver_direct <mode>` with the preload; its results must be `expected`.
+fn assert_preloaded_results(mode: &str, expected: &[&str]) {
+    let r = run(&program("driver_direct"), &[mode], true);
+    assert_eq!(r.results(), expected, "{}{}", r.stdout, r.stderr);
+}
+
 fn run(exe: &Path, args: &[&str], preload: bool) -> Run {
     run_with(exe, args, preload, &[])
 }
 
 /// Runs without and with the preload; the results must agree.
 fn both(name: &'static str, args: &[&str]) -> (Run, Run) {
-    let exe = program(name);
-    let plain = run(&exe, args, false);
-    let preloaded = run(&exe, args, true);
+    both_at(&program(name), args)
+}
+
+fn both_at(exe: &Path, args: &[&str]) -> (Run, Run) {
+    let plain = run(exe, args, false);
+    let preloaded = run(exe, args, true);
     assert!(!plain.results().is_empty(), "no results:\n{}", plain.stdout);
     assert_eq!(
         plain.results(),
@@ -189,6 +256,62 @@ fn a_program_reaching_the_driver_through_cu_get_proc_address_is_served_too() {
     assert_cached(&plain, &preloaded, 1_000);
 }
 
+/// A runtime API program's allocations are served by the runtime hooks (none reaches the
+/// runtime) and cached (at most 2 reach the driver).
+fn assert_runtime_served(plain: &Run, preloaded: &Run) {
+    for what in ["sync pairs", "null stream pairs", "stream pairs"] {
+        let (allocs, calls) = (format!("{what} mem_alloc"), format!("{what} runtime_calls"));
+        assert_eq!(plain.count(&allocs), 10_000, "{}", plain.stdout);
+        assert_eq!(plain.count(&calls), 20_000, "{}", plain.stdout);
+        assert!(
+            preloaded.count(&allocs) <= 2,
+            "{what}:\n{}",
+            preloaded.stdout
+        );
+        assert_eq!(preloaded.count(&calls), 0, "{what}:\n{}", preloaded.stdout);
+    }
+}
+
+/// `runtime_async.c` built as with `--default-stream per-thread`: its stream-ordered calls are
+/// the runtime's `_ptsz` functions.
+fn runtime_ptsz_program() -> PathBuf {
+    program_variant(
+        "runtime_async",
+        "runtime_async_ptsz",
+        &["-DCUDA_API_PER_THREAD_DEFAULT_STREAM"],
+    )
+}
+
+#[test]
+fn a_runtime_api_program_gets_the_same_results_and_cached_allocations() {
+    let exe = program_variant("runtime_async", "runtime_async", &[]);
+    let (plain, preloaded) = both_at(&exe, &["pairs"]);
+    assert_runtime_served(&plain, &preloaded);
+}
+
+#[test]
+fn the_per_thread_default_stream_runtime_calls_are_served_too() {
+    let exe = runtime_ptsz_program();
+    let (plain, preloaded) = both_at(&exe, &["pairs"]);
+    assert!(plain
+        .results()
+        .contains(&"result: per-thread default stream"));
+    assert_runtime_served(&plain, &preloaded);
+}
+
+#[test]
+fn threads_sharing_the_per_thread_default_stream_handle_get_disjoint_blocks() {
+    let exe = runtime_ptsz_program();
+    let r = run(&exe, &["threads"], true);
+    assert!(
+        r.results()
+            .contains(&"result: threads saw only their own data: yes"),
+        "{}{}",
+        r.stdout,
+        r.stderr
+    );
+}
+
 #[test]
 fn a_double_free_returns_invalid_value_and_is_reported_once() {
     let (_, preloaded) = both("driver_direct", &["double-free"]);
@@ -209,28 +332,102 @@ fn a_double_free_returns_invalid_value_and_is_reported_once() {
 
 #[test]
 fn a_freed_block_waits_for_work_queued_before_the_free() {
-    let r = run(&program("driver_direct"), &["marker"], true);
-    assert_eq!(
-        r.results(),
-        [
+    assert_preloaded_results(
+        "marker",
+        &[
             "result: reused while the legacy stream is busy: no",
-            "result: reused once it completed: yes"
+            "result: reused once it completed: yes",
         ],
-        "{}{}",
-        r.stdout,
-        r.stderr
     );
 }
 
 #[test]
-fn a_bad_configuration_is_said_once_and_every_call_passes_through() {
-    let exe = program("driver_direct");
-    let r = run_with(
-        &exe,
-        &["pairs"],
-        true,
-        &[("TENSORALLOC_CONF", "no_such_option:1")],
+fn pinned_host_frees_share_one_marker_per_batch_and_their_blocks_come_back() {
+    let (plain, preloaded) = both("driver_direct", &["host-batch"]);
+    assert_eq!(plain.count("host batch host_alloc"), 64);
+    // 64 frees, one batch: one marker on the legacy stream (no non-blocking stream exists).
+    assert_eq!(
+        preloaded.count("host batch event_records"),
+        1,
+        "{}",
+        preloaded.stdout
     );
+    assert!(
+        preloaded.count("host batch events_created") <= 1,
+        "{}",
+        preloaded.stdout
+    );
+    assert_eq!(
+        preloaded.count("host batch host_alloc"),
+        0,
+        "{}",
+        preloaded.stdout
+    );
+}
+
+#[test]
+fn a_freed_pinned_block_waits_for_work_queued_before_the_free() {
+    assert_preloaded_results(
+        "host-marker",
+        &[
+            "result: pinned block reused while the legacy stream is busy: no",
+            "result: pinned block reused once it completed: yes",
+        ],
+    );
+}
+
+#[test]
+fn a_block_freed_in_stream_order_is_reused_on_its_stream_at_once_and_not_on_another() {
+    assert_preloaded_results(
+        "stream-reuse",
+        &[
+            "result: reused on another stream: no",
+            "result: reused on its stream: yes",
+        ],
+    );
+}
+
+#[test]
+fn blocks_kept_for_a_stream_are_given_back_when_it_is_destroyed() {
+    let r = driver_direct_with("stream-reuse", &[("TENSORALLOC_PRELOAD_STATS", "1")]);
+    // Both streams' last blocks were freed on them, then the streams destroyed.
+    assert!(r.stderr.contains(" 0 bytes allocated ("), "{}", r.stderr);
+}
+
+/// Runs `mode` on a 16 MiB device without and with the preload: its large allocation, which
+/// needs the memory of blocks freed before, must succeed both times.
+fn assert_large_allocation_fits(mode: &str, result: &str) {
+    let exe = program("driver_direct");
+    for preload in [false, true] {
+        let r = run_with(
+            &exe,
+            &[mode],
+            preload,
+            &[("TENSORALLOC_SIM_MEMORY", "16MiB")],
+        );
+        assert_eq!(
+            r.results(),
+            [result],
+            "preload: {preload}\n{}{}",
+            r.stdout,
+            r.stderr
+        );
+    }
+}
+
+#[test]
+fn blocks_kept_for_a_stream_are_given_back_when_memory_runs_short() {
+    assert_large_allocation_fits("short", "result: 14 MiB on another stream = 0");
+}
+
+#[test]
+fn blocks_kept_by_size_are_given_back_when_memory_runs_short() {
+    assert_large_allocation_fits("short-sync", "result: 14 MiB = 0");
+}
+
+#[test]
+fn a_bad_configuration_is_said_once_and_every_call_passes_through() {
+    let r = driver_direct_with("pairs", &[("TENSORALLOC_CONF", "no_such_option:1")]);
     assert_eq!(r.count("sync pairs mem_alloc"), 10_000);
     assert_eq!(
         r.stderr.matches("tensoralloc preload: disabled").count(),
@@ -270,24 +467,12 @@ fn a_forked_child_passes_through_and_the_parent_keeps_its_cache() {
 
 #[test]
 fn threads_get_disjoint_blocks() {
-    let r = run(&program("driver_direct"), &["threads"], true);
-    assert_eq!(
-        r.results(),
-        ["result: threads saw only their own data: yes"],
-        "{}",
-        r.stderr
-    );
+    assert_preloaded_results("threads", &["result: threads saw only their own data: yes"]);
 }
 
 #[test]
 fn statistics_are_printed_at_exit_when_asked() {
-    let exe = program("driver_direct");
-    let r = run_with(
-        &exe,
-        &["double-free"],
-        true,
-        &[("TENSORALLOC_PRELOAD_STATS", "1")],
-    );
+    let r = driver_direct_with("double-free", &[("TENSORALLOC_PRELOAD_STATS", "1")]);
     assert!(
         r.stderr
             .contains("tensoralloc preload: 2 device allocations served"),

@@ -9,6 +9,14 @@
  *   marker       a block freed while the legacy stream is held is not reused until released
  *   fork         allocates, forks a child that allocates and frees, then allocates again
  *   threads      four threads with their own pairs and live blocks
+ *   host-batch   frees 64 pinned blocks, then allocates 64 again: markers and driver calls
+ *   host-marker  a pinned block freed while the legacy stream is held is not reused until
+ *                released
+ *   stream-reuse a block freed on its stream is reused there at once, not on another stream
+ *   short        (device memory 16 MiB) blocks freed on one stream, then a large allocation on
+ *                another that needs their memory
+ *   short-sync   (device memory 16 MiB) the same with cuMemAlloc/cuMemFree, the frees' batch
+ *                completed and their blocks kept for the next allocations of their size
  */
 #define _GNU_SOURCE
 #include <cuda.h>
@@ -18,17 +26,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "common.h"
 #include <sys/wait.h>
 #include <unistd.h>
-
-#define CHECK(call)                                                                    \
-    do {                                                                               \
-        CUresult r_ = (call);                                                          \
-        if (r_ != CUDA_SUCCESS) {                                                      \
-            fprintf(stderr, "%s:%d: %s failed: %d\n", __FILE__, __LINE__, #call, r_); \
-            exit(1);                                                                   \
-        }                                                                              \
-    } while (0)
 
 typedef unsigned long long (*counter_fn)(const char *);
 typedef void (*stream_fn)(CUstream);
@@ -149,14 +150,15 @@ static int marker(void) {
     }
     printf("result: reused while the legacy stream is busy: %s\n", reused ? "yes" : "no");
     control("fakecuda_release_stream", (CUstream)0);
-    int reused_after = 0;
-    for (int i = 0; i < 100 && !reused_after; i++) {
-        CUdeviceptr r;
-        CHECK(cuMemAlloc(&r, size));
-        if (r == p) reused_after = 1;
-        CHECK(cuMemFree(r));
+    /* The blocks stay live, so every block freed above is handed out before new memory. */
+    CUdeviceptr r[200];
+    int reused_after = 0, n = 0;
+    while (n < 200 && !reused_after) {
+        CHECK(cuMemAlloc(&r[n], size));
+        if (r[n++] == p) reused_after = 1;
     }
     printf("result: reused once it completed: %s\n", reused_after ? "yes" : "no");
+    for (int i = 0; i < n; i++) CHECK(cuMemFree(r[i]));
     return 0;
 }
 
@@ -188,6 +190,91 @@ static int fork_mode(void) {
     return 0;
 }
 
+static int host_batch(void) {
+    void *h[64];
+    for (int i = 0; i < 64; i++) CHECK(cuMemHostAlloc(&h[i], 4096, 0));
+    unsigned long long records = counter("event_records");
+    unsigned long long created = counter("events_created");
+    for (int i = 0; i < 64; i++) CHECK(cuMemFreeHost(h[i]));
+    unsigned long long allocs = counter("host_alloc");
+    for (int i = 0; i < 64; i++) CHECK(cuMemHostAlloc(&h[i], 4096, 0));
+    printf("count: host batch event_records %llu\n", counter("event_records") - records);
+    printf("count: host batch events_created %llu\n", counter("events_created") - created);
+    printf("count: host batch host_alloc %llu\n", counter("host_alloc") - allocs);
+    for (int i = 0; i < 64; i++) CHECK(cuMemFreeHost(h[i]));
+    printf("result: host batch done\n");
+    return 0;
+}
+
+/* The blocks allocated meanwhile stay live, so the freed block is the only one the cache could
+ * hand out. */
+static int host_marker(void) {
+    void *p, *q[100], *r[100];
+    control("fakecuda_hold_stream", (CUstream)0);
+    CHECK(cuMemHostAlloc(&p, 4096, 0));
+    CHECK(cuMemFreeHost(p));
+    int reused = 0;
+    for (int i = 0; i < 100; i++) {
+        CHECK(cuMemHostAlloc(&q[i], 4096, 0));
+        if (q[i] == p) reused = 1;
+    }
+    printf("result: pinned block reused while the legacy stream is busy: %s\n", reused ? "yes" : "no");
+    control("fakecuda_release_stream", (CUstream)0);
+    int reused_after = 0, n = 0;
+    while (n < 100 && !reused_after) {
+        CHECK(cuMemHostAlloc(&r[n], 4096, 0));
+        if (r[n++] == p) reused_after = 1;
+    }
+    printf("result: pinned block reused once it completed: %s\n", reused_after ? "yes" : "no");
+    for (int i = 0; i < 100; i++) CHECK(cuMemFreeHost(q[i]));
+    for (int i = 0; i < n; i++) CHECK(cuMemFreeHost(r[i]));
+    return 0;
+}
+
+static int stream_reuse(void) {
+    CUstream s1, s2;
+    CUdeviceptr p, q, r;
+    CHECK(cuStreamCreate(&s1, CU_STREAM_NON_BLOCKING));
+    CHECK(cuStreamCreate(&s2, CU_STREAM_NON_BLOCKING));
+    CHECK(cuMemAllocAsync(&p, 4096, s1));
+    CHECK(cuMemFreeAsync(p, s1));
+    CHECK(cuMemAllocAsync(&q, 4096, s2));
+    CHECK(cuMemAllocAsync(&r, 4096, s1));
+    printf("result: reused on another stream: %s\n", q == p ? "yes" : "no");
+    printf("result: reused on its stream: %s\n", r == p ? "yes" : "no");
+    CHECK(cuMemFreeAsync(q, s2));
+    CHECK(cuMemFreeAsync(r, s1));
+    CHECK(cuStreamDestroy(s1));
+    CHECK(cuStreamDestroy(s2));
+    return 0;
+}
+
+static int short_memory(void) {
+    CUstream s1, s2;
+    CUdeviceptr p[4], big;
+    CHECK(cuStreamCreate(&s1, CU_STREAM_NON_BLOCKING));
+    CHECK(cuStreamCreate(&s2, CU_STREAM_NON_BLOCKING));
+    for (int i = 0; i < 4; i++) CHECK(cuMemAllocAsync(&p[i], 1 << 20, s1));
+    for (int i = 0; i < 4; i++) CHECK(cuMemFreeAsync(p[i], s1));
+    printf("result: 14 MiB on another stream = %d\n", (int)cuMemAllocAsync(&big, 14 << 20, s2));
+    CHECK(cuMemFreeAsync(big, s2));
+    CHECK(cuStreamDestroy(s1));
+    CHECK(cuStreamDestroy(s2));
+    return 0;
+}
+
+static int short_memory_sync(void) {
+    CUdeviceptr p[4], q, big;
+    for (int i = 0; i < 4; i++) CHECK(cuMemAlloc(&p[i], 1 << 20));
+    for (int i = 0; i < 4; i++) CHECK(cuMemFree(p[i]));
+    /* Closes the batch of the four frees and, its marker done, takes the blocks back. */
+    CHECK(cuMemAlloc(&q, 512 << 10));
+    CHECK(cuMemFree(q));
+    printf("result: 14 MiB = %d\n", (int)cuMemAlloc(&big, 14 << 20));
+    CHECK(cuMemFree(big));
+    return 0;
+}
+
 static void *thread_main(void *arg) {
     int id = (int)(intptr_t)arg;
     CHECK(cuCtxSetCurrent(ctx));
@@ -204,15 +291,7 @@ static void *thread_main(void *arg) {
 }
 
 static int threads(void) {
-    pthread_t t[4];
-    for (int i = 0; i < 4; i++) pthread_create(&t[i], NULL, thread_main, (void *)(intptr_t)i);
-    int ok = 1;
-    for (int i = 0; i < 4; i++) {
-        void *r;
-        pthread_join(t[i], &r);
-        ok &= (int)(intptr_t)r;
-    }
-    printf("result: threads saw only their own data: %s\n", ok ? "yes" : "no");
+    run_threads(thread_main);
     return 0;
 }
 
@@ -224,6 +303,11 @@ int main(int argc, char **argv) {
     if (!strcmp(mode, "marker")) return marker();
     if (!strcmp(mode, "fork")) return fork_mode();
     if (!strcmp(mode, "threads")) return threads();
+    if (!strcmp(mode, "host-batch")) return host_batch();
+    if (!strcmp(mode, "host-marker")) return host_marker();
+    if (!strcmp(mode, "stream-reuse")) return stream_reuse();
+    if (!strcmp(mode, "short")) return short_memory();
+    if (!strcmp(mode, "short-sync")) return short_memory_sync();
     fprintf(stderr, "unknown mode %s\n", mode);
     return 2;
 }

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Builds libtensoralloc_preload.so (release) and preload_check.cu twice with nvcc (static and
-# shared CUDA runtime), then runs each build without and with the preload on the real GPU.
+# Builds libtensoralloc_preload.so (release) and preload_check.cu three times with nvcc (static
+# and shared CUDA runtime, and shared with `--default-stream per-thread`, whose stream-ordered
+# calls are the runtime's `_ptsz` functions), then runs each build without and with the preload
+# on the real GPU.
 # Every run must pass its checks; preloaded runs must show (TENSORALLOC_PRELOAD_STATS=1) that
 # their allocations were served by tensoralloc, which for the static runtime proves that the
 # driver calls it makes through cuGetProcAddress are intercepted.
@@ -15,8 +17,10 @@ lib=$PWD/target/release/libtensoralloc_preload.so
 for runtime in static shared; do
   "$nvcc" -O2 -std=c++17 -cudart "$runtime" -o "$out/preload_check_$runtime" tests/gpu/preload/preload_check.cu
 done
+"$nvcc" -O2 -std=c++17 -cudart shared --default-stream per-thread -o "$out/preload_check_ptds" \
+  tests/gpu/preload/preload_check.cu
 status=0
-for runtime in static shared; do
+for runtime in static shared ptds; do
   exe=$out/preload_check_$runtime
   echo "== $runtime runtime, without the preload"
   "$exe" || status=1
