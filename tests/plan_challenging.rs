@@ -71,7 +71,7 @@ fn the_default_plan_of_every_challenging_instance_is_valid_and_never_larger_than
 
 #[test]
 fn the_default_plan_is_within_a_tenth_of_the_lower_bound_on_seven_of_the_instances() {
-    // D, I, J and K need more search than the default budget buys.
+    // D, I, J and K need more search than the default budget buys to come this close.
     for (name, out) in NAMES.into_iter().zip(default_plans()) {
         if ["D", "I", "J", "K"].contains(&name) {
             continue;
@@ -79,6 +79,21 @@ fn the_default_plan_is_within_a_tenth_of_the_lower_bound_on_seven_of_the_instanc
         let bound = lower_bound(&instance(name), 1).unwrap();
         assert!(
             out.plan.arena_size * 10 <= bound * 11,
+            "{name}: {} / {bound}",
+            out.plan.arena_size
+        );
+    }
+}
+
+#[test]
+fn the_default_plan_is_within_an_eighth_of_the_lower_bound_on_instances_d_and_j() {
+    for (name, out) in NAMES.into_iter().zip(default_plans()) {
+        if !["D", "J"].contains(&name) {
+            continue;
+        }
+        let bound = lower_bound(&instance(name), 1).unwrap();
+        assert!(
+            out.plan.arena_size * 8 <= bound * 9,
             "{name}: {} / {bound}",
             out.plan.arena_size
         );
