@@ -9,6 +9,8 @@
 //! - `history/cached_pair_on`: the same pair with recording on; each pair records three
 //!   events (alloc, free_requested, free_completed), so the cost per event is a third of the
 //!   difference.
+//! - `cached/{small,large}/{config}`: a malloc+free pair that a cached block serves (4 KiB
+//!   and 64 MiB) under each of the settings of the table.
 
 use std::hint::black_box;
 use std::path::PathBuf;
@@ -82,7 +84,25 @@ fn table() {
 }
 
 mod sim_allocator;
-use sim_allocator::allocator;
+use sim_allocator::{allocator, allocator_with};
+
+fn cached(c: &mut Criterion) {
+    let mut g = c.benchmark_group("cached");
+    for (name, size) in [("small", 4096), ("large", 64 << 20)] {
+        for text in CONFIGS {
+            let a = allocator_with(&replay::parse_config(text).unwrap());
+            let warm = a.malloc(size, 7).unwrap();
+            a.free(warm, Some(7)).unwrap();
+            g.bench_function(format!("{name}/{text}"), |b| {
+                b.iter(|| {
+                    let p = a.malloc(black_box(size), 7).unwrap();
+                    a.free(black_box(p), Some(7)).unwrap();
+                })
+            });
+        }
+    }
+    g.finish();
+}
 
 fn history(c: &mut Criterion) {
     let mut g = c.benchmark_group("history");
@@ -109,6 +129,7 @@ fn main() {
         .warm_up_time(Duration::from_secs(1))
         .measurement_time(Duration::from_secs(3))
         .configure_from_args();
+    cached(&mut c);
     history(&mut c);
     c.final_summary();
 }

@@ -4,6 +4,7 @@
 use std::sync::Arc;
 
 use tensoralloc::config::Config;
+use tensoralloc::device::history::Action;
 use tensoralloc::device::DeviceAllocator;
 use tensoralloc::driver::sim::{self, SimDriver};
 use tensoralloc::Error;
@@ -390,4 +391,188 @@ fn compact_records_no_event_while_a_graph_pool_is_active() {
     );
     a.free(q, Some(s2)).unwrap();
     a.release_pool(pool).unwrap();
+}
+
+#[test]
+fn the_simulated_driver_unmaps_single_allocations_of_one_mapping_call() {
+    use tensoralloc::driver::Driver;
+    let sim = SimDriver::shared(1, 1 << 30).unwrap();
+    let base = sim.vmm_reserve(0, 64 * MIB).unwrap();
+    let mut h = Vec::new();
+    sim.vmm_map_many(0, base, 14 * MIB, 4 * MIB, &mut h)
+        .unwrap();
+    assert_eq!(h.len(), 4, "4 + 4 + 4 + 2 MiB");
+    assert_eq!(sim.mapped(0), 14 << 20);
+    let at = |i: usize| base + i * 4 * MIB;
+    assert!(
+        sim.vmm_unmap(0, at(1), 4 * MIB, h[0]).is_err(),
+        "another allocation's handle"
+    );
+    assert!(
+        sim.vmm_unmap(0, at(1), 2 * MIB, h[1]).is_err(),
+        "part of an allocation"
+    );
+    sim.vmm_unmap_many(0, &[(at(1), 4 * MIB, h[1]), (at(2), 4 * MIB, h[2])])
+        .unwrap();
+    assert_eq!(sim.mapped(0), 6 << 20, "the allocations around them stay");
+    assert!(
+        sim.vmm_map_many(0, at(3), 2 * MIB, 2 * MIB, &mut Vec::new())
+            .is_err(),
+        "the last allocation still covers its range"
+    );
+    assert!(
+        sim.vmm_unmap(0, at(1), 4 * MIB, h[1]).is_err(),
+        "unmapped already"
+    );
+    sim.vmm_unmap_many(0, &[(at(3), 2 * MIB, h[3]), (base, 4 * MIB, h[0])])
+        .unwrap();
+    assert_eq!(sim.mapped(0), 0);
+    sim.vmm_free_range(0, base, 64 * MIB).unwrap();
+}
+
+/// The mapping events of the memory history, as (action, address, bytes, stream).
+fn mapping_events(a: &DeviceAllocator) -> Vec<(Action, usize, usize, usize)> {
+    a.history()
+        .entries()
+        .into_iter()
+        .filter(|e| matches!(e.action, Action::SegmentMap | Action::SegmentUnmap))
+        .map(|e| {
+            (
+                e.action,
+                e.addr as usize,
+                e.size as usize,
+                e.stream as usize,
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn the_memory_history_records_each_mapping_and_unmapping() {
+    let (_sim, a) = expandable(1 << 30);
+    let s = unique_stream();
+    a.history().set(true, 100).unwrap();
+    let p = a.malloc(30 * MIB, s).unwrap();
+    let q = a.malloc(30 * MIB, s).unwrap();
+    a.free(p, Some(s)).unwrap();
+    a.empty_cache().unwrap();
+    let maps = [
+        (Action::SegmentMap, p, 40 * MIB, s),
+        (Action::SegmentMap, p + 40 * MIB, 20 * MIB, s),
+    ];
+    assert_eq!(
+        mapping_events(&a),
+        maps,
+        "p's physical allocation holds the start of q too"
+    );
+    a.free(q, Some(s)).unwrap();
+    a.empty_cache().unwrap();
+    let unmap = (Action::SegmentUnmap, p, 60 * MIB, s);
+    assert_eq!(mapping_events(&a), [maps[0], maps[1], unmap]);
+}
+
+#[test]
+fn the_memory_history_records_pages_compact_takes_from_another_stream() {
+    let (_sim, a) = setup(1 << 30, "policy:compact");
+    let (s, t) = (unique_stream(), unique_stream());
+    let p = a.malloc(8 * MIB, s).unwrap();
+    a.free(p, Some(s)).unwrap();
+    a.history().set(true, 100).unwrap();
+    let q = a.malloc(8 * MIB, t).unwrap();
+    let events = mapping_events(&a);
+    assert!(
+        events.contains(&(Action::SegmentUnmap, p, 8 * MIB, s)),
+        "{events:?}"
+    );
+    assert!(
+        events.contains(&(Action::SegmentMap, q, 8 * MIB, t)),
+        "{events:?}"
+    );
+    a.free(q, Some(t)).unwrap();
+}
+
+#[test]
+fn a_snapshot_says_segments_are_expandable_and_carries_the_mapping_events() {
+    let conf = "expandable_segments:True";
+    let (_sim, a) = setup(1 << 30, conf);
+    let s = unique_stream();
+    a.history().set(true, 100).unwrap();
+    let p = a.malloc(30 * MIB, s).unwrap();
+    let mut out = Vec::new();
+    let config = Config::parse(conf).unwrap();
+    tensoralloc::device::history::write_snapshot(&mut out, std::iter::once(&a), &config, conf)
+        .unwrap();
+    let value: serde_pickle::Value =
+        serde_pickle::from_slice(&out, serde_pickle::DeOptions::new()).unwrap();
+    let text = format!("{value:?}");
+    assert!(
+        text.contains(r#"String("expandable_segments"): Bool(true)"#),
+        "{text}"
+    );
+    assert!(text.contains(r#"String("segment_map")"#), "{text}");
+    let trace = tensoralloc::replay::snapshot::parse(&out, 0).unwrap();
+    let actions: Vec<_> = trace.events.iter().map(|e| e.action).collect();
+    assert_eq!(actions, [Action::SegmentMap, Action::Alloc]);
+    a.free(p, Some(s)).unwrap();
+}
+
+#[test]
+fn empty_cache_waits_for_the_stream_before_unmapping() {
+    let (sim, a) = expandable(1 << 30);
+    let s = unique_stream();
+    let p = a.malloc(20 * MIB, s).unwrap();
+    a.free(p, Some(s)).unwrap();
+    let waits = || {
+        sim.counters
+            .event_syncs
+            .load(std::sync::atomic::Ordering::Relaxed)
+    };
+    let before = waits();
+    a.empty_cache().unwrap();
+    assert_eq!(
+        waits(),
+        before + 1,
+        "kernels queued before the free may still use the page"
+    );
+    assert_eq!(sim.mapped(0), 0);
+}
+
+#[test]
+fn the_garbage_collection_threshold_unmaps_free_pages_before_growing_past_it() {
+    let (sim, a) = setup(
+        1 << 30,
+        "expandable_segments:True,garbage_collection_threshold:0.5",
+    );
+    let s = unique_stream();
+    let p = a.malloc(300 * MIB, s).unwrap();
+    let q = a.malloc(20 * MIB, s).unwrap();
+    a.free(p, Some(s)).unwrap();
+    let r = a.malloc(400 * MIB, s).unwrap();
+    assert!(
+        r > q,
+        "p's free pages are too few for r, which goes after q"
+    );
+    assert_eq!(
+        reserved(&a),
+        420 << 20,
+        "720 MiB would pass half of the device: p's pages went back first"
+    );
+    assert_eq!(sim.mapped(0), 420 << 20);
+    a.free(q, Some(s)).unwrap();
+    a.free(r, Some(s)).unwrap();
+}
+
+#[test]
+fn graph_private_pools_keep_ordinary_segments() {
+    let (sim, a) = expandable(1 << 30);
+    let s = unique_stream();
+    let pool = (2, 0);
+    a.begin_allocate_to_pool(pool, None).unwrap();
+    let p = a.malloc(30 * MIB, s).unwrap();
+    a.end_allocate_to_pool(pool).unwrap();
+    assert_eq!(sim.mapped(0), 0, "nothing mapped");
+    assert_eq!(reserved(&a), 30 << 20, "one ordinary 30 MiB segment");
+    a.free(p, Some(s)).unwrap();
+    a.release_pool(pool).unwrap();
+    assert_eq!(reserved(&a), 0, "the released pool's segment went back");
 }

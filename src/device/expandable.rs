@@ -50,8 +50,10 @@ pub(crate) struct ExpSegment {
     pub size: usize,
     pub page: usize,
     pub pool: PoolKind,
-    /// Physical allocations mapped in the range: address -> (bytes, handle).
-    pub handles: BTreeMap<usize, (usize, PhysHandle)>,
+    /// Physical allocations mapped in the range, by page from `base`: the first page of each
+    /// holds its bytes and handle (a slot per page, so that mapping and unmapping a page
+    /// costs no search).
+    pub handles: Vec<Option<(usize, PhysHandle)>>,
     /// Bytes mapped.
     pub mapped: usize,
     /// False once the range went back to the driver.
@@ -74,14 +76,16 @@ pub(crate) struct ExpState {
     pub prefer_settled: bool,
 }
 
-/// What a change of mappings did, for the device counters.
-#[derive(Debug, Default, Clone, Copy)]
+/// What a change of mappings did, for the device counters and the memory history.
+#[derive(Debug, Default, Clone)]
 pub(crate) struct Report {
     pub maps: u64,
     pub unmaps: u64,
     pub bytes: usize,
     /// Ranges reserved (address, size) or returned.
     pub reserved: Option<(usize, usize)>,
+    /// Each range mapped or unmapped, in order: (whether mapped, address, bytes).
+    pub ranges: Vec<(bool, usize, usize)>,
 }
 
 /// Where unmapping may take memory from.
@@ -89,10 +93,9 @@ pub(crate) struct Report {
 pub(crate) enum Reclaim {
     /// Every free block (after the shard's outstanding events were waited for).
     All,
-    /// Free blocks whose frees are known idle and that hold at least `min` bytes; with
-    /// `keep_tails`, not those that end where address space is unmapped (where the shard
-    /// itself is about to grow).
-    Idle { keep_tails: bool, min: usize },
+    /// Free blocks whose frees are known idle, except block `keep` (where the shard is about
+    /// to grow; [`NONE`] for none).
+    Idle { keep: u32 },
 }
 
 impl ShardInner {
@@ -200,7 +203,7 @@ impl ShardInner {
 
     /// The lowest-addressed run of free and unmapped blocks of `pool` that holds `size` bytes
     /// and contains unmapped space; returns its first block.
-    fn find_space(&self, pool: PoolKind, size: usize) -> Option<u32> {
+    pub(super) fn find_space(&self, pool: PoolKind, size: usize) -> Option<u32> {
         let allocatable = |id: u32| {
             id != NONE
                 && matches!(
@@ -245,7 +248,7 @@ impl ShardInner {
             size,
             page: layout.page[p],
             pool,
-            handles: BTreeMap::new(),
+            handles: Vec::new(),
             mapped: 0,
             live: true,
         });
@@ -375,25 +378,22 @@ impl ShardInner {
             (b.addr, b.exp as usize, b.pool)
         };
         let page = self.exp.segments[exp].page;
-        let chunk = page.saturating_mul(layout.max_handle_pages.max(1));
-        let mut done = 0;
-        let mut made: Vec<(usize, usize, PhysHandle)> = Vec::new();
-        while done < want {
-            let len = chunk.min(want - done);
-            match driver.vmm_map(device, addr + done, len) {
-                Ok(h) => made.push((addr + done, len, h)),
-                Err(e) => {
-                    for (a, l, h) in made {
-                        let _ = driver.vmm_unmap(device, a, l, h);
-                    }
-                    return Err(e);
-                }
-            }
-            done += len;
-        }
+        let chunk = page
+            .saturating_mul(layout.max_handle_pages.max(1))
+            .min(want);
+        let mut made = Vec::with_capacity(want.div_ceil(chunk));
+        driver.vmm_map_many(device, addr, want, chunk, &mut made)?;
         let seg = &mut self.exp.segments[exp];
-        for (a, l, h) in made {
-            seg.handles.insert(a, (l, h));
+        let first = (addr - seg.base) / page;
+        let end = first + want / page;
+        if seg.handles.len() < end {
+            seg.handles.resize(end, None);
+        }
+        let mut at = addr;
+        for h in made {
+            let len = chunk.min(addr + want - at);
+            seg.handles[(at - seg.base) / page] = Some((len, h));
+            at += len;
         }
         if seg.mapped == 0 {
             stats.both(StatKind::Segment, pool, 1);
@@ -402,11 +402,12 @@ impl ShardInner {
         stats.both(StatKind::ReservedBytes, pool, want as i64);
         report.maps += 1;
         report.bytes += want;
+        report.ranges.push((true, addr, want));
         Ok(())
     }
 
-    /// Unmaps whole physical allocations inside free blocks of expandable segments until
-    /// `goal` bytes are unmapped. Returns what it did.
+    /// Unmaps whole physical allocations inside free blocks of expandable segments, smallest
+    /// block first, until `goal` bytes are unmapped. Returns what it did.
     pub fn unmap_free(
         &mut self,
         driver: &dyn Driver,
@@ -417,36 +418,31 @@ impl ShardInner {
     ) -> Result<Report> {
         let mut report = Report::default();
         // A block smaller than a page holds no whole physical allocation.
-        let smallest_page = self.exp.segments.iter().map(|s| s.page).min().unwrap_or(0);
-        let floor = match reclaim {
-            Reclaim::All => smallest_page,
-            Reclaim::Idle { min, .. } => min.max(smallest_page),
+        let Some(floor) = self.exp.segments.iter().map(|s| s.page).min() else {
+            return Ok(report);
         };
-        let candidates: Vec<u32> = self
-            .small_index()
-            .iter_from((floor, 0, 0))
-            .chain(self.large_index().iter_from((floor, 0, 0)))
-            .map(|(_, _, id)| id)
-            .filter(|&id| {
-                let b = &self.blocks[id as usize];
-                b.exp != NONE
+        for pool in [PoolKind::Small, PoolKind::Large] {
+            // Walks the index by key: unmapping a block only adds smaller ones (its ends).
+            let mut key = (floor, 0, 0);
+            while report.bytes < goal {
+                let index = match pool {
+                    PoolKind::Small => self.small_index(),
+                    PoolKind::Large => self.large_index(),
+                };
+                let Some(k) = index.first_at_least(key) else {
+                    break;
+                };
+                key = (k.0, k.1, k.2 + 1);
+                let b = &self.blocks[k.2 as usize];
+                let eligible = b.exp != NONE
                     && match reclaim {
                         Reclaim::All => true,
-                        Reclaim::Idle { keep_tails, min } => {
-                            b.freed_at <= self.exp.idle_upto
-                                && b.size >= min
-                                && !(keep_tails
-                                    && b.next != NONE
-                                    && self.blocks[b.next as usize].state == State::Unmapped)
-                        }
-                    }
-            })
-            .collect();
-        for id in candidates {
-            if report.bytes >= goal {
-                break;
+                        Reclaim::Idle { keep } => k.2 != keep && b.freed_at <= self.exp.idle_upto,
+                    };
+                if eligible {
+                    self.unmap_block(driver, device, k.2, stats, &mut report)?;
+                }
             }
-            self.unmap_block(driver, device, id, stats, &mut report)?;
         }
         Ok(report)
     }
@@ -465,20 +461,29 @@ impl ShardInner {
             (b.addr, b.size, b.exp as usize, b.pool)
         };
         let end = addr + size;
-        let inside: Vec<(usize, usize, PhysHandle)> = self.exp.segments[exp]
+        let seg = &self.exp.segments[exp];
+        let pages = (addr - seg.base).div_ceil(seg.page)..(end - seg.base) / seg.page;
+        let inside: Vec<(usize, usize, PhysHandle)> = seg
             .handles
-            .range(addr..end)
-            .filter(|(&a, &(l, _))| a + l <= end)
-            .map(|(&a, &(l, h))| (a, l, h))
+            .get(pages.start..pages.end.min(seg.handles.len()))
+            .unwrap_or_default()
+            .iter()
+            .zip(pages.clone())
+            .filter_map(|(slot, p)| {
+                let (l, h) = (*slot)?;
+                let a = seg.base + p * seg.page;
+                (a + l <= end).then_some((a, l, h))
+            })
             .collect();
         let (Some(&(lo, _, _)), Some(&(last, last_len, _))) = (inside.first(), inside.last())
         else {
             return Ok(());
         };
         let hi = last + last_len;
-        for &(a, l, h) in &inside {
-            driver.vmm_unmap(device, a, l, h)?;
-            self.exp.segments[exp].handles.remove(&a);
+        driver.vmm_unmap_many(device, &inside)?;
+        let seg = &mut self.exp.segments[exp];
+        for &(a, _, _) in &inside {
+            seg.handles[(a - seg.base) / seg.page] = None;
         }
         let bytes = hi - lo;
         self.remove_free(id);
@@ -523,6 +528,7 @@ impl ShardInner {
         stats.both(StatKind::ReservedBytes, pool, -(bytes as i64));
         report.unmaps += 1;
         report.bytes += bytes;
+        report.ranges.push((false, lo, bytes));
         Ok(())
     }
 
@@ -553,9 +559,13 @@ impl ShardInner {
             if !seg.live {
                 continue;
             }
-            for (&a, &(l, h)) in &seg.handles {
-                let _ = driver.vmm_unmap(device, a, l, h);
-            }
+            let maps: Vec<_> = seg
+                .handles
+                .iter()
+                .enumerate()
+                .filter_map(|(p, slot)| slot.map(|(l, h)| (seg.base + p * seg.page, l, h)))
+                .collect();
+            let _ = driver.vmm_unmap_many(device, &maps);
             seg.handles.clear();
             let _ = driver.vmm_free_range(device, seg.base, seg.size);
             seg.live = false;

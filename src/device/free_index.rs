@@ -31,10 +31,20 @@ const DEMOTE: usize = 16;
 pub(crate) struct FreeIndex {
     bins: Bins,
     ordered: Ordered,
+    /// Counts insertions and removals: equal counts mean the same contents (see
+    /// [`super::shard::Memo`]).
+    generation: u64,
 }
 
 impl FreeIndex {
+    /// Changes so far; the index is unchanged while this is.
+    #[inline]
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
+
     pub fn insert(&mut self, key: Key) {
+        self.generation += 1;
         match bin_of(key.0) {
             Some(b) => self.bins.insert(b, (key.1, key.2)),
             None => self.ordered.insert(key),
@@ -42,6 +52,7 @@ impl FreeIndex {
     }
 
     pub fn remove(&mut self, key: &Key) -> bool {
+        self.generation += 1;
         match bin_of(key.0) {
             Some(b) => self.bins.remove(b, (key.1, key.2)),
             None => self.ordered.remove(key),
@@ -62,6 +73,7 @@ impl FreeIndex {
     }
 
     /// The keys at or above `from`, in order (slow paths only: it walks the bins below too).
+    #[cfg(test)]
     pub fn iter_from(&self, from: Key) -> impl Iterator<Item = Key> + '_ {
         self.iter().skip_while(move |k| *k < from)
     }

@@ -234,7 +234,7 @@ impl DeviceAllocator {
                     stream,
                     index,
                     private: true,
-                    inner: Mutex::new(ShardInner::default()),
+                    inner: super::shard::ShardLock::default(),
                     stats: ShardStats::default(),
                 })?
             }

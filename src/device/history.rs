@@ -314,7 +314,8 @@ pub fn write_snapshot<'a, W: std::io::Write>(
                 config.max_split_size as i64
             },
             garbage_collection_threshold: config.garbage_collection_threshold,
-            expandable_segments: false,
+            expandable_segments: config.expandable_segments
+                || config.policy == crate::config::Policy::Compact,
             pinned_num_register_threads: config.pinned_num_register_threads as u64,
             release_lock_on_cudamalloc: false,
             pinned_use_cuda_host_register: config.pinned_use_host_register,

@@ -32,7 +32,7 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::Arc;
 
-use parking_lot::{Mutex, MutexGuard, RwLock};
+use parking_lot::{MutexGuard, RwLock};
 
 use crate::config::{roundup_interval, Config, Policy, ROUNDUP_INTERVALS};
 use crate::driver::{Driver, Event, Stream};
@@ -41,7 +41,7 @@ use events::EventPool;
 use graph::GraphPools;
 use history::Action;
 use limit::MemoryLimit;
-use shard::{ShardInner, StatSink, State};
+use shard::{ShardInner, ShardLock, StatSink, State};
 use size::{format_bytes, round_size_with, segment_size, PoolKind, MAX_REQUEST};
 use stats::{DeviceCounters, DeviceStats, ShardStats, Stat, StatKind, TRACKED};
 use table::ShardTable;
@@ -56,7 +56,7 @@ pub(crate) struct Shard {
     index: u32,
     /// A shard of a graph private pool ([`graph`]) rather than the stream's own.
     private: bool,
-    inner: Mutex<ShardInner>,
+    inner: ShardLock,
     stats: ShardStats,
 }
 
@@ -79,6 +79,9 @@ pub struct DeviceAllocator {
     history: history::History,
     graph: GraphPools,
     limit: MemoryLimit,
+    /// Whether shards replay cached pairs ([`shard::Memo`]); off only to test that replaying
+    /// changes nothing.
+    pair_memo: bool,
 }
 
 /// Routes statistic changes of one shard to the device counters.
@@ -91,6 +94,50 @@ impl StatSink for Sink<'_> {
     #[inline(always)]
     fn change(&mut self, index: usize, delta: i64) {
         if self.shard.stats.change(index, delta) {
+            self.alloc.settle_peaks(self.shard);
+        }
+    }
+}
+
+/// A [`Sink`] for one block operation (an allocation, a free, a release, a new or returned
+/// segment): statistics that pass their limits are only marked, and settled once when the
+/// operation's sink is dropped, still under the shard's lock, rather than once per statistic.
+/// Exact because in these operations a statistic that rises past its limit ends at its
+/// highest value (decreases come first), so the settle sees the operation's peak as the
+/// shard's current state.
+struct OpSink<'a> {
+    alloc: &'a DeviceAllocator,
+    shard: &'a Shard,
+    over: bool,
+}
+
+impl StatSink for OpSink<'_> {
+    #[inline(always)]
+    fn change(&mut self, index: usize, delta: i64) {
+        if self.shard.stats.change(index, delta) {
+            self.over = true;
+        }
+    }
+
+    #[inline(always)]
+    fn down_up(&mut self, index: usize, down: i64, up: i64) {
+        self.down_up_fused(index, down, up);
+    }
+}
+
+impl OpSink<'_> {
+    #[inline(always)]
+    fn down_up_fused(&mut self, index: usize, down: i64, up: i64) {
+        if self.shard.stats.down_up(index, down, up) {
+            self.over = true;
+        }
+    }
+}
+
+impl Drop for OpSink<'_> {
+    #[inline(always)]
+    fn drop(&mut self) {
+        if self.over {
             self.alloc.settle_peaks(self.shard);
         }
     }
@@ -165,7 +212,25 @@ impl DeviceAllocator {
             history: history::History::default(),
             graph: GraphPools::default(),
             limit: MemoryLimit::default(),
+            pair_memo: true,
         })
+    }
+
+    /// Turns the replay of cached malloc+free pairs off or on (on by default). Replaying
+    /// changes nothing observable; this exists so that tests can show it.
+    #[doc(hidden)]
+    pub fn set_pair_memo(&mut self, on: bool) {
+        self.pair_memo = on;
+    }
+
+    /// Mallocs served by replaying a cached pair so far (counted in debug builds only, for
+    /// tests; 0 otherwise).
+    #[doc(hidden)]
+    pub fn pair_memo_hits(&self) -> u64 {
+        self.shards
+            .iter()
+            .map(|s| s.inner.lock_memo().memo_hits())
+            .sum()
     }
 
     /// The device index.
@@ -183,13 +248,23 @@ impl DeviceAllocator {
             stream,
             index,
             private: false,
-            inner: Mutex::new(ShardInner::default()),
+            inner: ShardLock::default(),
             stats: ShardStats::default(),
         })
     }
 
     fn sink<'a>(&'a self, shard: &'a Shard) -> Sink<'a> {
         Sink { alloc: self, shard }
+    }
+
+    /// The sink of one block operation on `shard`, whose lock the caller holds until the sink
+    /// is dropped ([`OpSink`]).
+    fn op_sink<'a>(&'a self, shard: &'a Shard) -> OpSink<'a> {
+        OpSink {
+            alloc: self,
+            shard,
+            over: false,
+        }
     }
 
     /// Settles statistics of `home` (whose lock the caller holds) that passed their limits,
@@ -219,6 +294,7 @@ impl DeviceAllocator {
     /// caller holds the settle lock and `home`'s lock.
     fn settle_from_donors(&self, home: &Shard) -> bool {
         home.stats.raise_top();
+        let mut wanted = home.stats.wanted();
         for donor in self.shards.iter() {
             if std::ptr::eq(donor, home) {
                 continue;
@@ -229,10 +305,12 @@ impl DeviceAllocator {
             if donor.stats.is_over() {
                 return false;
             }
-            if !home.stats.take_spare(&donor.stats) {
+            wanted = home.stats.take_spare(&donor.stats, wanted);
+            if wanted == 0 {
                 break;
             }
         }
+        home.stats.clear_covered();
         !home.stats.is_over() && !self.shards.iter().any(|s| s.stats.is_over())
     }
 
@@ -274,12 +352,26 @@ impl DeviceAllocator {
             self.shard_for_pools(stream)?
         };
         let mut retried = false;
+        {
+            let mut inner = shard.inner.lock_memo();
+            if let Some(addr) = inner.malloc_memo(
+                pool,
+                rounded,
+                size,
+                self.max_split_size,
+                &mut self.sink(shard),
+            ) {
+                self.note(Action::Alloc, addr, size, stream);
+                return Ok(addr);
+            }
+        }
         loop {
             let mut inner = shard.inner.lock();
             if !inner.pending.is_empty() && !self.capture_blocks(stream) {
                 self.process_events(shard, &mut inner);
             }
             let found = inner.take_best_fit(pool, rounded, self.max_split_size);
+            let from_index = found.is_some();
             let id = match found {
                 Some(id) => id,
                 None => match self.new_memory(shard, &mut inner, pool, rounded, stream) {
@@ -307,7 +399,8 @@ impl DeviceAllocator {
                 rounded,
                 size,
                 self.max_split_size,
-                &mut self.sink(shard),
+                from_index,
+                &mut self.op_sink(shard),
             );
             self.note(Action::Alloc, addr, size, stream);
             return Ok(addr);
@@ -324,20 +417,32 @@ impl DeviceAllocator {
         rounded: usize,
         stream: Stream,
     ) -> Result<u32> {
-        if let Some(layout) = &self.layout {
-            self.check_limit(rounded)?;
-            return self.grow(shard, inner, layout, pool, rounded);
-        }
-        let seg = segment_size(rounded);
+        // Graph private pools keep ordinary segments, as in PyTorch: a graph replays on the
+        // addresses of blocks its pool has freed, which must stay mapped.
+        let layout = self.layout.as_ref().filter(|_| !shard.private);
+        let seg = match layout {
+            Some(_) => rounded,
+            None => segment_size(rounded),
+        };
         if self.gc_threshold > 0.0 && !self.capture_blocks(stream) {
             self.collect_garbage(shard, inner, seg);
+        }
+        if let Some(layout) = layout {
+            self.check_limit(rounded)?;
+            return self.grow(shard, inner, layout, pool, rounded);
         }
         self.check_limit(seg)?;
         let addr = self.driver.mem_alloc(self.device, seg)?;
         DeviceCounters::bump(&self.counters.num_device_alloc);
         self.note(Action::SegmentAlloc, addr, seg, shard.stream);
         self.segments.write().insert(addr, (seg, shard.index));
-        Ok(inner.add_segment(addr, seg, pool, self.max_split_size, &mut self.sink(shard)))
+        Ok(inner.add_segment(
+            addr,
+            seg,
+            pool,
+            self.max_split_size,
+            &mut self.op_sink(shard),
+        ))
     }
 
     fn out_of_memory(&self, size: usize, reason: &str) -> Error {
@@ -389,8 +494,29 @@ impl DeviceAllocator {
         }
         let found = stream_hint
             .and_then(|s| self.shards.get(s))
-            .and_then(|shard| self.unallocate_in(shard, ptr))
-            .or_else(|| self.unallocate_in(self.owner_of(ptr)?, ptr));
+            .and_then(|shard| {
+                let mut inner = shard.inner.lock_memo();
+                if let Some(requested) =
+                    inner.free_memo(ptr, self.max_split_size, &mut self.sink(shard))
+                {
+                    return Some(Err((shard, requested)));
+                }
+                inner.settle_memo();
+                self.unallocate_from(shard, inner, ptr).map(Ok)
+            })
+            .or_else(|| self.unallocate_in(self.owner_of(ptr)?, ptr).map(Ok));
+        let found = match found {
+            Some(Err((shard, requested))) => {
+                // The memo's allocation, freed as the full path would.
+                if self.history.on() {
+                    self.note(Action::FreeRequested, ptr, requested, shard.stream);
+                    self.note(Action::FreeCompleted, ptr, requested, shard.stream);
+                }
+                return Ok(true);
+            }
+            Some(Ok(found)) => Some(found),
+            None => None,
+        };
         let Some((shard, inner, id)) = found else {
             return Ok(false);
         };
@@ -405,8 +531,16 @@ impl DeviceAllocator {
         shard: &'a Shard,
         ptr: usize,
     ) -> Option<(&'a Shard, MutexGuard<'a, ShardInner>, u32)> {
-        let mut inner = shard.inner.lock();
-        let id = inner.unallocate(ptr, self.max_split_size, &mut self.sink(shard))?;
+        self.unallocate_from(shard, shard.inner.lock(), ptr)
+    }
+
+    fn unallocate_from<'a>(
+        &'a self,
+        shard: &'a Shard,
+        mut inner: MutexGuard<'a, ShardInner>,
+        ptr: usize,
+    ) -> Option<(&'a Shard, MutexGuard<'a, ShardInner>, u32)> {
+        let id = inner.unallocate(ptr, self.max_split_size, &mut self.op_sink(shard))?;
         Some((shard, inner, id))
     }
 
@@ -418,7 +552,11 @@ impl DeviceAllocator {
     ) -> Result<()> {
         if inner.block(id).stream_uses.is_empty() {
             self.note_block(Action::FreeCompleted, shard, &inner, id);
-            inner.release(id, &mut self.sink(shard));
+            let candidate = inner.memo_candidate(id);
+            inner.release(id, &mut self.op_sink(shard));
+            if let Some(c) = candidate.filter(|_| !shard.private && self.pair_memo) {
+                inner.remember(c);
+            }
             if shard.private && self.private_shard_unused(shard) {
                 self.trim_private_shard(shard, &mut inner);
             }
@@ -467,7 +605,7 @@ impl DeviceAllocator {
         }
         if recorded.is_empty() {
             self.note_block(Action::FreeCompleted, shard, &inner, id);
-            inner.release(id, &mut self.sink(shard));
+            inner.release(id, &mut self.op_sink(shard));
         } else {
             inner.block_mut(id).events_left = recorded.len() as u32;
             inner.pending.extend(recorded.into_iter().map(|e| (e, id)));
@@ -565,7 +703,7 @@ impl DeviceAllocator {
         b.events_left -= 1;
         if b.events_left == 0 {
             self.note_block(Action::FreeCompleted, shard, inner, id);
-            inner.release(id, &mut self.sink(shard));
+            inner.release(id, &mut self.op_sink(shard));
         }
     }
 
@@ -578,7 +716,7 @@ impl DeviceAllocator {
             self.event_done(shard, inner, id);
         }
         let released = self.release_segments(shard, inner, usize::MAX)?;
-        Ok(released + self.release_expandable(shard, inner)?)
+        Ok(released + self.release_expandable(shard, inner, usize::MAX)?)
     }
 
     /// Returns unused whole segments of `shard` to the driver until `goal` bytes are released.
@@ -595,7 +733,7 @@ impl DeviceAllocator {
             }
             let (addr, size) = (inner.block(id).addr, inner.block(id).size);
             self.driver.mem_free(self.device, addr)?;
-            inner.remove_segment(id, self.max_split_size, &mut self.sink(shard));
+            inner.remove_segment(id, self.max_split_size, &mut self.op_sink(shard));
             self.segments.write().remove(&addr);
             DeviceCounters::bump(&self.counters.num_device_free);
             self.note(Action::SegmentFree, addr, size, shard.stream);
@@ -605,7 +743,7 @@ impl DeviceAllocator {
     }
 
     /// Before growing past the garbage-collection threshold, return this stream's unused
-    /// segments to the driver.
+    /// segments (or free pages of its expandable segments) to the driver.
     fn collect_garbage(&self, shard: &Shard, inner: &mut ShardInner, want: usize) {
         let Ok(info) = self.driver.mem_info(self.device) else {
             return;
@@ -615,7 +753,11 @@ impl DeviceAllocator {
             .max(0) as u64;
         let limit = (info.total as f64 * self.gc_threshold) as u64;
         if reserved + want as u64 > limit {
-            let _ = self.release_segments(shard, inner, (reserved + want as u64 - limit) as usize);
+            let excess = (reserved + want as u64 - limit) as usize;
+            let released = self.release_segments(shard, inner, excess).unwrap_or(0);
+            if released < excess {
+                let _ = self.release_expandable(shard, inner, excess - released);
+            }
         }
     }
 

@@ -15,7 +15,8 @@
 //!   some stream is about to grow, and only queried (never waited for).
 
 use super::expandable::{Layout, Reclaim, Report};
-use super::shard::{ShardInner, StatSink};
+use super::history::Action;
+use super::shard::{ShardInner, StatSink, State, NONE};
 use super::size::{PoolKind, LARGE_BUFFER, SMALL_BUFFER};
 use super::stats::{self, ShardStats, StatKind};
 use super::{DeviceAllocator, Shard};
@@ -60,12 +61,6 @@ pub(super) fn layout(driver: &dyn Driver, device: usize, config: &Config) -> Opt
     })
 }
 
-/// A stream's own free blocks are unmapped before it grows only from this size on: smaller
-/// ones are the ones it reuses soonest, and unmapping them scatters its later growth over
-/// many small holes (measured on the serving trace: 1.04x with this bound, 1.09x without;
-/// on GPT-2 training 1.01x with it, 1.07x without unmapping its own blocks at all).
-const OWN_RECLAIM_MIN: usize = 128 << 20;
-
 /// Streams with less free mapped memory than this are not asked for any.
 const MIN_RECLAIM: i64 = 2 << 20;
 
@@ -90,7 +85,7 @@ impl DeviceAllocator {
         rounded: usize,
     ) -> Result<u32> {
         if self.policy == Policy::Compact {
-            self.reclaim_idle(shard, inner, rounded);
+            self.reclaim_idle(shard, inner, rounded, pool);
         }
         let mut report = Report::default();
         let grown = inner.grow(
@@ -105,52 +100,86 @@ impl DeviceAllocator {
         if let Some((base, size)) = report.reserved {
             self.segments.write().insert(base, (size, shard.index));
         }
-        self.count(&report);
+        self.count(shard, &report);
         grown
     }
 
-    fn count(&self, report: &Report) {
+    /// Counts what `report` mapped and unmapped for `shard`, and records it in the memory
+    /// history (PyTorch's `segment_map` and `segment_unmap`).
+    fn count(&self, shard: &Shard, report: &Report) {
         self.counters
             .num_device_alloc
-            .fetch_add(report.maps as i64, std::sync::atomic::Ordering::Relaxed);
+            .fetch_add(report.maps as i64, Relaxed);
         self.counters
             .num_device_free
-            .fetch_add(report.unmaps as i64, std::sync::atomic::Ordering::Relaxed);
+            .fetch_add(report.unmaps as i64, Relaxed);
+        if self.history().on() {
+            for &(mapped, addr, bytes) in &report.ranges {
+                let action = if mapped {
+                    Action::SegmentMap
+                } else {
+                    Action::SegmentUnmap
+                };
+                self.note(action, addr, bytes, shard.stream);
+            }
+        }
     }
 
-    /// Unmaps every free page of `shard` (its events were waited for) and returns ranges with
-    /// nothing mapped. Returns the bytes unmapped.
+    /// Unmaps free pages of `shard` (its events were waited for), smallest free block first,
+    /// until `goal` bytes are unmapped, and returns ranges with nothing mapped. Returns the
+    /// bytes unmapped.
     pub(super) fn release_expandable(
         &self,
         shard: &Shard,
         inner: &mut ShardInner,
+        goal: usize,
     ) -> Result<usize> {
         if inner.exp.segments.is_empty() {
             return Ok(0);
+        }
+        if self.free_mapped(shard) > 0 {
+            self.wait_for_stream(shard)?;
         }
         let report = inner.unmap_free(
             &*self.driver,
             self.device,
             Reclaim::All,
-            usize::MAX,
+            goal,
             &mut self.sink(shard),
         )?;
-        self.count(&report);
+        self.count(shard, &report);
         for base in inner.free_empty_ranges(&*self.driver, self.device)? {
             self.segments.write().remove(&base);
         }
         Ok(report.bytes)
     }
 
-    /// Before `shard` grows by `need` bytes: unmaps idle free pages of this and other streams,
-    /// up to `need` bytes. Never waits: another stream whose lock is busy, or whose batch
-    /// event has not completed, is skipped.
-    fn reclaim_idle(&self, shard: &Shard, inner: &mut ShardInner, need: usize) {
+    /// Waits for the work queued on `shard`'s stream: unlike freeing a segment, unmapping
+    /// memory does not wait for the kernels that may still use it.
+    fn wait_for_stream(&self, shard: &Shard) -> Result<()> {
+        let event = self.events.get(&self.driver)?;
+        let waited = self
+            .driver
+            .event_record(self.device, event, shard.stream)
+            .and_then(|()| self.driver.event_synchronize(self.device, event));
+        self.events.put(event);
+        waited
+    }
+
+    /// Before `shard` grows by `need` bytes of `pool`: unmaps idle free pages of this and
+    /// other streams, up to `need` bytes, sparing the free block the growth will extend.
+    /// Never waits: another stream whose lock is busy, or whose batch event has not
+    /// completed, is skipped.
+    fn reclaim_idle(&self, shard: &Shard, inner: &mut ShardInner, need: usize, pool: PoolKind) {
         if self.graph.capturing() {
             // No event may be recorded or queried while a graph is captured.
             return;
         }
-        let mut got = self.reclaim_from(shard, inner, need, OWN_RECLAIM_MIN, false);
+        let keep = inner
+            .find_space(pool, need)
+            .filter(|&id| inner.block(id).state == State::Free)
+            .unwrap_or(NONE);
+        let mut got = self.reclaim_from(shard, inner, need, keep, false);
         for other in self.shards.iter() {
             if got >= need {
                 break;
@@ -159,7 +188,7 @@ impl DeviceAllocator {
                 continue;
             }
             if let Some(mut o) = other.inner.try_lock() {
-                got += self.reclaim_from(other, &mut o, need - got, 0, true);
+                got += self.reclaim_from(other, &mut o, need - got, NONE, true);
             }
         }
         // Overdrafts the other streams' shards only marked are settled now that this thread
@@ -174,7 +203,7 @@ impl DeviceAllocator {
         shard: &Shard,
         inner: &mut ShardInner,
         goal: usize,
-        min: usize,
+        keep: u32,
         beside_another: bool,
     ) -> usize {
         if inner.exp.segments.is_empty()
@@ -184,10 +213,7 @@ impl DeviceAllocator {
             return 0;
         }
         self.refresh_idle(shard, inner);
-        let reclaim = Reclaim::Idle {
-            keep_tails: min > 0,
-            min,
-        };
+        let reclaim = Reclaim::Idle { keep };
         let unmapped = if beside_another {
             // The growing stream's lock is held too, and settling peaks now would lock every
             // shard, that one included: overdrafts are only marked, and settled by the caller.
@@ -204,7 +230,7 @@ impl DeviceAllocator {
         };
         match unmapped {
             Ok(report) => {
-                self.count(&report);
+                self.count(shard, &report);
                 report.bytes
             }
             Err(e) => {

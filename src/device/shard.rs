@@ -14,6 +14,8 @@
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
+use parking_lot::{Mutex, MutexGuard};
+
 use super::free_index::FreeIndex;
 use super::size::{should_split, PoolKind};
 use super::stats::{aggregate, of_pool, StatKind, OVERSIZE_ALLOCATIONS, OVERSIZE_SEGMENTS};
@@ -92,6 +94,166 @@ pub(crate) trait StatSink {
         self.change(aggregate(kind), delta);
         self.change(of_pool(kind, pool), delta);
     }
+
+    /// A decrease by `down` then an increase by `up` of statistic `index`, as one change
+    /// where the sink can make it so (the current value never passes the final one, so
+    /// the peak is the same; `up` still counts as allocated).
+    #[inline(always)]
+    fn down_up(&mut self, index: usize, down: i64, up: i64) {
+        self.change(index, -down);
+        self.change(index, up);
+    }
+
+    /// [`StatSink::down_up`] of a kind's aggregate and pool statistics.
+    #[inline(always)]
+    fn both_down_up(&mut self, kind: StatKind, pool: PoolKind, down: i64, up: i64) {
+        self.down_up(aggregate(kind), down, up);
+        self.down_up(of_pool(kind, pool), down, up);
+    }
+}
+
+/// How a block taken from a free index was (or will be) handed out: the block as it was in
+/// the index, and the request it served.
+///
+/// A cached malloc+free of one size leaves a shard as it found it: the malloc takes the
+/// best-fitting block and splits off the rest, the free merges the rest back. When a full
+/// malloc+free did exactly that (the block came back with the same address, size and
+/// neighbours, and its pool's free index changed only by the pair's own insertions and
+/// removals), the index holds the same blocks as before the malloc, so the next malloc of
+/// the same rounded size would take the same block and split it the same way. The shard
+/// keeps that pair as its memo and replays it: the malloc makes the pair's statistic
+/// changes and hands out the address, leaving the block in the index (the allocation is
+/// *held*); a free of that address makes the free's statistic changes. Anything else that
+/// locks the shard first carries out the held allocation ([`ShardLock::lock`]), so every
+/// other path sees exactly the state the full malloc would have made.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Memo {
+    pub id: u32,
+    pub addr: usize,
+    pub size: usize,
+    pub prev: u32,
+    pub next: u32,
+    pub pool: PoolKind,
+    pub exp: u32,
+    /// The rounded request.
+    pub rounded: usize,
+    /// Whether the rest of the block is split off.
+    pub split: bool,
+    /// Whether the block was part of a split segment (it had neighbours).
+    pub was_split: bool,
+    /// The pool's free-index generation after the malloc (candidates) or the free (memos).
+    pub generation: u64,
+}
+
+impl Memo {
+    /// The size of the allocated block.
+    fn given(&self) -> usize {
+        if self.split {
+            self.rounded
+        } else {
+            self.size
+        }
+    }
+
+    /// The statistic changes of handing the block out (in the full path's order).
+    #[inline(always)]
+    fn allocation_stats(&self, requested: usize, max_split_size: usize, stats: &mut impl StatSink) {
+        let pool = self.pool;
+        let rest = (self.size - self.rounded) as i64;
+        match (self.was_split, self.split) {
+            (true, true) => {
+                stats.both_down_up(StatKind::InactiveSplit, pool, 1, 1);
+                stats.both_down_up(StatKind::InactiveSplitBytes, pool, self.size as i64, rest);
+            }
+            (true, false) => {
+                stats.both(StatKind::InactiveSplit, pool, -1);
+                stats.both(StatKind::InactiveSplitBytes, pool, -(self.size as i64));
+            }
+            (false, true) => {
+                stats.both(StatKind::InactiveSplit, pool, 1);
+                stats.both(StatKind::InactiveSplitBytes, pool, rest);
+            }
+            (false, false) => {}
+        }
+        let given = self.given();
+        stats.both(StatKind::Allocation, pool, 1);
+        stats.both(StatKind::AllocatedBytes, pool, given as i64);
+        stats.both(StatKind::Active, pool, 1);
+        stats.both(StatKind::ActiveBytes, pool, given as i64);
+        stats.both(StatKind::RequestedBytes, pool, requested as i64);
+        if given >= max_split_size {
+            stats.change(OVERSIZE_ALLOCATIONS, 1);
+        }
+    }
+
+    /// The statistic changes of freeing the block and merging it back as it was, in the
+    /// order [`ShardInner::unallocate`] and [`ShardInner::release`] make them.
+    #[inline(always)]
+    fn free_stats(&self, requested: usize, max_split_size: usize, stats: &mut impl StatSink) {
+        let pool = self.pool;
+        let given = self.given();
+        stats.both(StatKind::Allocation, pool, -1);
+        stats.both(StatKind::AllocatedBytes, pool, -(given as i64));
+        stats.both(StatKind::RequestedBytes, pool, -(requested as i64));
+        if given >= max_split_size {
+            stats.change(OVERSIZE_ALLOCATIONS, -1);
+        }
+        stats.both(StatKind::Active, pool, -1);
+        stats.both(StatKind::ActiveBytes, pool, -(given as i64));
+        let rest = (self.size - self.rounded) as i64;
+        match (self.split, self.was_split) {
+            (true, true) => {
+                stats.both_down_up(StatKind::InactiveSplit, pool, 1, 1);
+                stats.both_down_up(StatKind::InactiveSplitBytes, pool, rest, self.size as i64);
+            }
+            (true, false) => {
+                stats.both(StatKind::InactiveSplit, pool, -1);
+                stats.both(StatKind::InactiveSplitBytes, pool, -rest);
+            }
+            (false, true) => {
+                stats.both(StatKind::InactiveSplit, pool, 1);
+                stats.both(StatKind::InactiveSplitBytes, pool, self.size as i64);
+            }
+            (false, false) => {}
+        }
+    }
+}
+
+/// A shard's lock. Locking carries out a held memo allocation first ([`Memo`]), so callers
+/// see only real blocks; the cached fast paths use [`ShardLock::lock_memo`].
+#[derive(Default)]
+pub(crate) struct ShardLock(Mutex<ShardInner>);
+
+impl ShardLock {
+    #[inline]
+    pub fn lock(&self) -> MutexGuard<'_, ShardInner> {
+        let mut inner = self.0.lock();
+        inner.settle_memo();
+        inner
+    }
+
+    #[inline]
+    pub fn try_lock(&self) -> Option<MutexGuard<'_, ShardInner>> {
+        let mut inner = self.0.try_lock()?;
+        inner.settle_memo();
+        Some(inner)
+    }
+
+    /// Locks without carrying out a held memo allocation: the caller replays the memo or
+    /// calls [`ShardInner::settle_memo`] before anything else.
+    #[inline]
+    pub fn lock_memo(&self) -> MutexGuard<'_, ShardInner> {
+        self.0.lock()
+    }
+
+    /// Unlocks a lock whose guard was forgotten.
+    ///
+    /// # Safety
+    /// The current thread holds the lock through a forgotten guard.
+    pub unsafe fn force_unlock(&self) {
+        // SAFETY: the caller's contract.
+        unsafe { self.0.force_unlock() }
+    }
 }
 
 /// The mutable state of a shard, behind its lock.
@@ -108,6 +270,15 @@ pub(crate) struct ShardInner {
     pub pending: Vec<(Event, u32)>,
     /// Expandable segments of the shard.
     pub exp: super::expandable::ExpState,
+    /// The cached pair this shard replays ([`Memo`]), valid while its pool's free index is at
+    /// its generation.
+    memo: Option<Memo>,
+    /// The requested size of the memo's allocation while a client holds it.
+    held: Option<usize>,
+    /// The block the last full malloc took from a free index, while it may become a memo.
+    candidate: Option<Memo>,
+    #[cfg(debug_assertions)]
+    memo_hits: u64,
 }
 
 impl ShardInner {
@@ -217,73 +388,193 @@ impl ShardInner {
         })
     }
 
+    /// How block `id` (out of the pools) serves `rounded` bytes.
+    fn plan(&self, id: u32, rounded: usize, max_split_size: usize) -> Memo {
+        let b = &self.blocks[id as usize];
+        let split = if b.exp == NONE {
+            should_split(b.pool, b.size, rounded, max_split_size)
+        } else {
+            // Expandable segments split any worthwhile rest, whatever the pool (PyTorch does).
+            b.size - rounded >= super::size::MIN_BLOCK_SIZE
+        };
+        Memo {
+            id,
+            addr: b.addr,
+            size: b.size,
+            prev: b.prev,
+            next: b.next,
+            pool: b.pool,
+            exp: b.exp,
+            rounded,
+            split,
+            was_split: b.prev != NONE || b.next != NONE,
+            generation: 0,
+        }
+    }
+
     /// Hands block `id` (out of the pools) to a client for `requested` bytes rounded to
-    /// `rounded`, splitting off the rest when it is worth keeping.
+    /// `rounded`, splitting off the rest when it is worth keeping. `from_index`: the block was
+    /// just taken from its free index by [`ShardInner::take_best_fit`] (it may become the memo).
     pub fn allocate(
         &mut self,
         id: u32,
         rounded: usize,
         requested: usize,
         max_split_size: usize,
+        from_index: bool,
         stats: &mut impl StatSink,
     ) -> usize {
-        let (pool, size, was_split) = {
-            let b = &self.blocks[id as usize];
-            (b.pool, b.size, b.is_split())
-        };
-        if was_split {
-            stats.both(StatKind::InactiveSplit, pool, -1);
-            stats.both(StatKind::InactiveSplitBytes, pool, -(size as i64));
-        }
-        let exp = self.blocks[id as usize].exp;
-        let split = if exp == NONE {
-            should_split(pool, size, rounded, max_split_size)
-        } else {
-            // Expandable segments split any worthwhile rest, whatever the pool (PyTorch does).
-            size - rounded >= super::size::MIN_BLOCK_SIZE
-        };
-        if split {
-            let (addr, next, freed_at) = {
-                let b = &self.blocks[id as usize];
-                (b.addr, b.next, b.freed_at)
-            };
+        let plan = self.plan(id, rounded, max_split_size);
+        plan.allocation_stats(requested, max_split_size, stats);
+        let addr = self.carve(&plan, requested);
+        self.candidate = (from_index && plan.exp == NONE).then(|| Memo {
+            generation: self.index_of(plan.pool).generation(),
+            ..plan
+        });
+        addr
+    }
+
+    /// The block changes of handing out a block as `plan` says (no statistics).
+    fn carve(&mut self, plan: &Memo, requested: usize) -> usize {
+        let id = plan.id;
+        if plan.split {
+            let freed_at = self.blocks[id as usize].freed_at;
             let rest = self.new_block(Block {
-                addr: addr + rounded,
-                size: size - rounded,
+                addr: plan.addr + plan.rounded,
+                size: plan.size - plan.rounded,
                 requested: 0,
                 prev: id,
-                next,
+                next: plan.next,
                 state: State::Free,
-                pool,
+                pool: plan.pool,
                 events_left: 0,
                 stream_uses: Vec::new(),
-                exp,
+                exp: plan.exp,
                 freed_at,
             });
-            if next != NONE {
-                self.blocks[next as usize].prev = rest;
+            if plan.next != NONE {
+                self.blocks[plan.next as usize].prev = rest;
             }
             let b = &mut self.blocks[id as usize];
             b.next = rest;
-            b.size = rounded;
+            b.size = plan.rounded;
             self.insert_free(rest);
-            stats.both(StatKind::InactiveSplit, pool, 1);
-            stats.both(StatKind::InactiveSplitBytes, pool, (size - rounded) as i64);
         }
         let b = &mut self.blocks[id as usize];
         b.state = State::Allocated;
         b.requested = requested;
-        let (addr, size) = (b.addr, b.size);
-        self.live.insert(addr, id);
-        stats.both(StatKind::Allocation, pool, 1);
-        stats.both(StatKind::AllocatedBytes, pool, size as i64);
-        stats.both(StatKind::Active, pool, 1);
-        stats.both(StatKind::ActiveBytes, pool, size as i64);
-        stats.both(StatKind::RequestedBytes, pool, requested as i64);
-        if size >= max_split_size {
-            stats.change(OVERSIZE_ALLOCATIONS, 1);
+        self.live.insert(plan.addr, id);
+        plan.addr
+    }
+
+    /// Replays the memo for a malloc of `requested` bytes rounded to `rounded` from `pool`:
+    /// makes the full malloc's statistic changes and returns the address it would return, or
+    /// `None` when the memo does not apply (the caller then takes the full path). The caller
+    /// has processed nothing: a shard with pending events takes the full path.
+    #[inline]
+    pub fn malloc_memo(
+        &mut self,
+        pool: PoolKind,
+        rounded: usize,
+        requested: usize,
+        max_split_size: usize,
+        stats: &mut impl StatSink,
+    ) -> Option<usize> {
+        let m = self.memo?;
+        if m.rounded != rounded
+            || m.pool != pool
+            || self.held.is_some()
+            || !self.pending.is_empty()
+            || self.index_of(pool).generation() != m.generation
+        {
+            return None;
         }
-        addr
+        m.allocation_stats(requested, max_split_size, stats);
+        self.held = Some(requested);
+        #[cfg(debug_assertions)]
+        {
+            self.memo_hits += 1;
+        }
+        Some(m.addr)
+    }
+
+    /// Mallocs served by [`ShardInner::malloc_memo`] (debug builds; 0 otherwise).
+    pub fn memo_hits(&self) -> u64 {
+        #[cfg(debug_assertions)]
+        return self.memo_hits;
+        #[cfg(not(debug_assertions))]
+        0
+    }
+
+    /// Frees the held memo allocation if it is at `addr`: makes the full free's statistic
+    /// changes. Returns its requested size, or `None` when `addr` is not held.
+    #[inline]
+    pub fn free_memo(
+        &mut self,
+        addr: usize,
+        max_split_size: usize,
+        stats: &mut impl StatSink,
+    ) -> Option<usize> {
+        let requested = self.held?;
+        let m = self.memo?;
+        if m.addr != addr {
+            return None;
+        }
+        self.held = None;
+        m.free_stats(requested, max_split_size, stats);
+        self.exp.frees += 1;
+        self.blocks[m.id as usize].freed_at = self.exp.frees;
+        Some(requested)
+    }
+
+    /// Carries out a held memo allocation: the block leaves the free index and is split as
+    /// the full malloc would have done (its statistics were counted when it was handed out).
+    #[inline]
+    pub fn settle_memo(&mut self) {
+        if self.held.is_some() {
+            self.carry_out_memo();
+        }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn carry_out_memo(&mut self) {
+        let (Some(requested), Some(m)) = (self.held.take(), self.memo.take()) else {
+            return;
+        };
+        self.remove_free(m.id);
+        self.carve(&m, requested);
+        self.candidate = Some(Memo {
+            generation: self.index_of(m.pool).generation(),
+            ..m
+        });
+    }
+
+    /// Before the full path releases block `id`: the candidate memo, if `id` is the block the
+    /// last full malloc took and its pool's free index has not changed since.
+    pub fn memo_candidate(&mut self, id: u32) -> Option<Memo> {
+        let c = self.candidate.take()?;
+        (c.id == id && self.index_of(c.pool).generation() == c.generation).then_some(c)
+    }
+
+    /// After the full path released the block of `candidate`: it becomes the memo if the
+    /// block came back exactly as it was taken.
+    pub fn remember(&mut self, candidate: Memo) {
+        let b = &self.blocks[candidate.id as usize];
+        if b.state == State::Free
+            && (b.addr, b.size, b.prev, b.next)
+                == (
+                    candidate.addr,
+                    candidate.size,
+                    candidate.prev,
+                    candidate.next,
+                )
+        {
+            self.memo = Some(Memo {
+                generation: self.index_of(candidate.pool).generation(),
+                ..candidate
+            });
+        }
     }
 
     /// The client frees the allocated block at `addr`. Returns its id, or `None` if no block

@@ -7,13 +7,16 @@
 //! Device-wide peaks stay exact with reservations: every shard has a limit per statistic,
 //! the limits add up to the device peak, and a shard's counter may rise up to its limit
 //! without looking anywhere else (the sum then cannot pass the peak). Only a counter that
-//! would pass its limit is settled, under the device's settle lock, in one of two ways:
+//! would pass its limit is settled (once per block operation, after its changes), under the
+//! device's settle lock, in one of two ways:
 //!
 //! - [`ShardStats::take_spare`]: the shard takes unused headroom from other shards, one donor
 //!   at a time under that donor's lock (tried, never waited for). Peaks do not change. The
 //!   shard takes up to the most it needed at any earlier settle ([`ShardStats`]' `top`), so
 //!   streams that take turns holding memory (a producer and a consumer stream on one thread)
-//!   settle once per turn rather than once per allocation.
+//!   settle once per turn rather than once per allocation, and all of a donor's headroom of a
+//!   statistic it holds none of (an idle stream), so a growing stream does not settle at
+//!   every new high while idle streams hold headroom.
 //! - [`settle`], when donors cannot cover it (or another shard's overdraft is waiting): under
 //!   every shard's lock the shard takes only what is missing from the others' headroom, and
 //!   the peak rises by what is still missing. The peak rises only when every other shard is
@@ -211,6 +214,26 @@ impl ShardStats {
         false
     }
 
+    /// A decrease of statistic `index` by `down` then an increase by `up`, as one change: the
+    /// value in between is below both ends, so the peak and the limit check see only the
+    /// final value. `up` counts as allocated. Returns what [`ShardStats::change`] returns.
+    #[inline(always)]
+    pub fn down_up(&self, index: usize, down: i64, up: i64) -> bool {
+        let cell = &self.cells[index];
+        let delta = up - down;
+        let current = cell.current.load(Relaxed) + delta;
+        if delta != 0 {
+            cell.current.store(current, Relaxed);
+        }
+        cell.allocated
+            .store(cell.allocated.load(Relaxed) + up, Relaxed);
+        if delta > 0 && current > cell.limit.load(Relaxed) {
+            self.mark_over(index, current);
+            return true;
+        }
+        false
+    }
+
     #[cold]
     #[inline(never)]
     fn mark_over(&self, index: usize, current: i64) {
@@ -240,28 +263,53 @@ impl ShardStats {
         }
     }
 
-    /// Moves unused headroom of `donor` to this shard, for every statistic below its `top`
-    /// (or its need), and clears the overdrafts that are then covered. Peaks do not change.
-    /// The caller holds the settle lock and both shards' locks, and `donor` has no overdraft.
-    /// Returns true when this shard still wants headroom for some statistic.
-    pub fn take_spare(&self, donor: &ShardStats) -> bool {
+    /// The statistics whose limit is below what this shard wants: its `top` or its need (a
+    /// bit per statistic, for [`ShardStats::take_spare`]).
+    pub fn wanted(&self) -> u32 {
+        (0..TRACKED)
+            .filter(|&i| {
+                self.top[i].load(Relaxed).max(self.need(i)) > self.cells[i].limit.load(Relaxed)
+            })
+            .fold(0, |mask, i| mask | 1 << i)
+    }
+
+    /// Moves unused headroom of `donor` to this shard, for the statistics of `wanted` (from
+    /// [`ShardStats::wanted`]): up to their `top` (or their need), or all of it where the
+    /// donor holds none of that statistic (an idle stream's headroom serves the busy one until
+    /// it is busy again; it takes it back then). Peaks do not change. The caller holds the
+    /// settle lock and both shards' locks, and `donor` has no overdraft. Returns the
+    /// statistics still wanting headroom; [`ShardStats::clear_covered`] then clears the
+    /// overdrafts that are covered.
+    pub fn take_spare(&self, donor: &ShardStats, wanted: u32) -> u32 {
         debug_assert!(!donor.is_over());
-        let mut wanting = false;
-        for i in 0..TRACKED {
+        let mut still = 0;
+        let mut left = wanted;
+        while left != 0 {
+            let i = left.trailing_zeros() as usize;
+            left &= left - 1;
             let limit = &self.cells[i].limit;
             let short = self.top[i].load(Relaxed).max(self.need(i)) - limit.load(Relaxed);
             if short <= 0 {
                 continue;
             }
             let theirs = &donor.cells[i].limit;
-            let spare = theirs.load(Relaxed) - donor.cells[i].current.load(Relaxed);
-            let take = spare.min(short);
+            let held = donor.cells[i].current.load(Relaxed);
+            let spare = theirs.load(Relaxed) - held;
+            let take = if held == 0 { spare } else { spare.min(short) };
             if take > 0 {
                 theirs.store(theirs.load(Relaxed) - take, Relaxed);
                 limit.store(limit.load(Relaxed) + take, Relaxed);
             }
-            wanting |= take < short;
+            if take < short {
+                still |= 1 << i;
+            }
         }
+        still
+    }
+
+    /// Clears the overdrafts that this shard's limits now cover. The caller holds the settle
+    /// lock and the shard's lock.
+    pub fn clear_covered(&self) {
         let mut over = self.over.load(Relaxed);
         let mut left = over;
         while left != 0 {
@@ -272,7 +320,6 @@ impl ShardStats {
             }
         }
         self.over.store(over, Relaxed);
-        wanting
     }
 
     /// What statistic `index` needs as its limit: its current value, or its highest value
@@ -383,5 +430,50 @@ impl Default for DeviceCounters {
 impl DeviceCounters {
     pub fn bump(counter: &AtomicI64) {
         counter.fetch_add(1, Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cell_state(s: &ShardStats, i: usize) -> (i64, i64, i64, u32, i64) {
+        let c = &s.cells[i];
+        (
+            c.current.load(Relaxed),
+            c.allocated.load(Relaxed),
+            c.freed(),
+            s.over.load(Relaxed),
+            s.high[i].load(Relaxed),
+        )
+    }
+
+    /// A fused decrease-then-increase leaves current, allocated, freed, overdraft marks and
+    /// the highest unsettled value exactly as the two changes would.
+    #[test]
+    fn down_up_is_the_two_changes_in_one() {
+        for (start, limit, down, up) in [
+            (10, 12, 4, 1),
+            (10, 12, 4, 4),
+            (10, 12, 4, 7),
+            (10, 12, 1, 1),
+            (10, 10, 2, 3),
+            (0, 0, 0, 5),
+            (7, 20, 7, 2),
+        ] {
+            let (fused, split) = (ShardStats::default(), ShardStats::default());
+            for s in [&fused, &split] {
+                s.change(3, start);
+                s.cells[3].limit.store(limit, Relaxed);
+                s.over.store(0, Relaxed);
+            }
+            let a = fused.down_up(3, down, up);
+            let b = {
+                let first = split.change(3, -down);
+                split.change(3, up) || first
+            };
+            assert_eq!(a, b, "{start} {limit} -{down} +{up}");
+            assert_eq!(cell_state(&fused, 3), cell_state(&split, 3));
+        }
     }
 }

@@ -762,44 +762,83 @@ impl Driver for CudaDriver {
     }
 
     fn vmm_map(&self, device: usize, addr: usize, size: usize) -> Result<PhysHandle> {
+        let mut one = Vec::with_capacity(1);
+        self.vmm_map_many(device, addr, size, size, &mut one)?;
+        Ok(one[0])
+    }
+
+    fn vmm_map_many(
+        &self,
+        device: usize,
+        addr: usize,
+        size: usize,
+        handle: usize,
+        handles: &mut Vec<PhysHandle>,
+    ) -> Result<()> {
         let prop = self.vmm_prop(device)?;
+        if handle == 0 {
+            return Err(Error::InvalidArgument(
+                "physical allocations of 0 bytes".into(),
+            ));
+        }
         self.in_device(device, || {
-            let mut handle: sys::CUmemGenericAllocationHandle = 0;
-            // SAFETY: valid out-pointer and property struct; VMM symbols exist.
-            let r = unsafe { sys::cuMemCreate(&mut handle, size, &prop, 0) };
-            if r == CUresult::CUDA_ERROR_OUT_OF_MEMORY {
-                return Err(Error::OutOfMemory(format!(
-                    "device {device}: cuMemCreate of {size} bytes failed: {}",
-                    error_text(r)
-                )));
-            }
-            check(r, &format!("cuMemCreate of {size} bytes"))?;
-            let release = |e: Error| {
-                // SAFETY: the handle was just created and is not mapped (any more).
-                unsafe { sys::cuMemRelease(handle) };
+            let first = handles.len();
+            // Undoes what this call created and mapped, newest first.
+            let undo = |handles: &mut Vec<PhysHandle>, e: Error| {
+                let mut at = addr + (handles.len() - first) * handle;
+                for h in handles.drain(first..).rev() {
+                    at -= handle;
+                    let len = handle.min(addr + size - at);
+                    // SAFETY: each handle was created and mapped at `at` by this call.
+                    unsafe {
+                        sys::cuMemUnmap(at as sys::CUdeviceptr, len);
+                        sys::cuMemRelease(h.0 as sys::CUmemGenericAllocationHandle);
+                    }
+                }
                 e
             };
-            // SAFETY: the handle holds `size` bytes; the driver validates the range.
-            check(
-                unsafe { sys::cuMemMap(addr as sys::CUdeviceptr, size, 0, handle, 0) },
-                &format!("cuMemMap({addr:#x}, {size})"),
-            )
-            .map_err(release)?;
+            let mut at = addr;
+            while at < addr + size {
+                let len = handle.min(addr + size - at);
+                let mut h: sys::CUmemGenericAllocationHandle = 0;
+                // SAFETY: valid out-pointer and property struct; VMM symbols exist.
+                let r = unsafe { sys::cuMemCreate(&mut h, len, &prop, 0) };
+                if r == CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+                    return Err(undo(
+                        handles,
+                        Error::OutOfMemory(format!(
+                            "device {device}: cuMemCreate of {len} bytes failed: {}",
+                            error_text(r)
+                        )),
+                    ));
+                }
+                if let Err(e) = check(r, &format!("cuMemCreate of {len} bytes")) {
+                    return Err(undo(handles, e));
+                }
+                // SAFETY: the handle holds `len` bytes; the driver validates the range.
+                let mapped = check(
+                    unsafe { sys::cuMemMap(at as sys::CUdeviceptr, len, 0, h, 0) },
+                    &format!("cuMemMap({at:#x}, {len})"),
+                );
+                if let Err(e) = mapped {
+                    // SAFETY: the handle was just created and is not mapped.
+                    unsafe { sys::cuMemRelease(h) };
+                    return Err(undo(handles, e));
+                }
+                handles.push(PhysHandle(h));
+                at += len;
+            }
             let desc = sys::CUmemAccessDesc {
                 location: prop.location,
                 flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
             };
+            // One access call covers every mapping of the range.
             // SAFETY: one valid access descriptor for the range just mapped.
             let access = check(
                 unsafe { sys::cuMemSetAccess(addr as sys::CUdeviceptr, size, &desc, 1) },
                 &format!("cuMemSetAccess({addr:#x}, {size})"),
             );
-            if let Err(e) = access {
-                // SAFETY: the range was mapped just above.
-                unsafe { sys::cuMemUnmap(addr as sys::CUdeviceptr, size) };
-                return Err(release(e));
-            }
-            Ok(PhysHandle(handle))
+            access.map_err(|e| undo(handles, e))
         })
     }
 

@@ -132,6 +132,48 @@ pub trait Driver: Send + Sync {
         let _ = (device, addr, size, handle);
         Err(no_vmm(self.name()))
     }
+
+    /// Maps `[addr, addr + size)` as consecutive physical allocations of `handle` bytes each
+    /// (the last one takes what is left), appending their handles to `handles` in address
+    /// order, and makes the range readable and writable by `device`. All or nothing: on error
+    /// no new allocation stays created or mapped and `handles` is as it was. Drivers override
+    /// it to pay per-range costs (locking, access rights) once per range instead of once per
+    /// allocation.
+    fn vmm_map_many(
+        &self,
+        device: usize,
+        addr: usize,
+        size: usize,
+        handle: usize,
+        handles: &mut Vec<PhysHandle>,
+    ) -> Result<()> {
+        let first = handles.len();
+        let mut done = 0;
+        while done < size {
+            let len = handle.min(size - done);
+            match self.vmm_map(device, addr + done, len) {
+                Ok(h) => handles.push(h),
+                Err(e) => {
+                    let mut at = addr;
+                    for h in handles.drain(first..) {
+                        let l = handle.min(size - (at - addr));
+                        let _ = self.vmm_unmap(device, at, l, h);
+                        at += l;
+                    }
+                    return Err(e);
+                }
+            }
+            done += len;
+        }
+        Ok(())
+    }
+
+    /// Unmaps and releases each `(addr, size, handle)` of `maps` as [`Driver::vmm_unmap`]
+    /// does, stopping at the first error.
+    fn vmm_unmap_many(&self, device: usize, maps: &[(usize, usize, PhysHandle)]) -> Result<()> {
+        maps.iter()
+            .try_for_each(|&(a, l, h)| self.vmm_unmap(device, a, l, h))
+    }
 }
 
 /// Which backend `TENSORALLOC_DRIVER` asks for.

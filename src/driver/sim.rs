@@ -136,11 +136,67 @@ struct VmmState {
     reserved: u64,
     /// Next address of an unbacked device's reservations.
     next_unbacked: u64,
-    /// Mapped physical allocations: handle -> (address, size).
-    mapped: HashMap<u64, (u64, u64)>,
-    /// The same by address: start -> end.
-    by_addr: BTreeMap<u64, u64>,
+    /// Mapped physical allocations, as runs made by one call: start -> run.
+    by_addr: BTreeMap<u64, Run>,
     next_handle: u64,
+}
+
+/// Physical allocations mapped back to back by one call: `[start, end)` in allocations of
+/// `each` bytes (the last one the rest), numbered from `first`. One entry per call keeps a
+/// growth of many pages as cheap as a growth of one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Run {
+    end: u64,
+    each: u64,
+    first: u64,
+}
+
+impl VmmState {
+    /// Unmaps the longest prefix of `maps` whose entries are consecutive allocations of one
+    /// run, keeping the allocations around them. Returns how many it unmapped: 0 when the
+    /// first entry is not exactly an allocation of some run.
+    fn unmap_run(&mut self, maps: &[(usize, usize, PhysHandle)]) -> usize {
+        let Some(&(addr, _, _)) = maps.first() else {
+            return 0;
+        };
+        let addr = addr as u64;
+        let Some((&start, &run)) = self.by_addr.range(..=addr).next_back() else {
+            return 0;
+        };
+        let is_allocation = |a: u64, size: u64, handle: u64| {
+            a < run.end
+                && (a - start).is_multiple_of(run.each)
+                && size == run.each.min(run.end - a)
+                && handle == run.first + (a - start) / run.each
+        };
+        let (mut end, mut n) = (addr, 0);
+        for &(a, size, handle) in maps {
+            let (a, size) = (a as u64, size as u64);
+            if a != end || !is_allocation(a, size, handle.0) {
+                break;
+            }
+            end = a + size;
+            n += 1;
+        }
+        if n == 0 {
+            return 0;
+        }
+        if addr == start {
+            self.by_addr.remove(&start);
+        } else if let Some(before) = self.by_addr.get_mut(&start) {
+            before.end = addr;
+        }
+        if end < run.end {
+            self.by_addr.insert(
+                end,
+                Run {
+                    first: run.first + (end - start) / run.each,
+                    ..run
+                },
+            );
+        }
+        n
+    }
 }
 
 impl SimDevice {
@@ -323,8 +379,16 @@ impl SimDevice {
         Ok(())
     }
 
-    fn vmm_map(&self, addr: usize, size: usize) -> Result<PhysHandle> {
-        let (addr, size) = (addr as u64, size as u64);
+    /// Maps `[addr, addr + size)` as allocations of `handle` bytes each (the last one the
+    /// rest), under one lock; all or nothing.
+    fn vmm_map_many(
+        &self,
+        addr: usize,
+        size: usize,
+        handle: usize,
+        handles: &mut Vec<PhysHandle>,
+    ) -> Result<()> {
+        let (addr, size, handle) = (addr as u64, size as u64, handle as u64);
         let g = SIM_GRANULARITY as u64;
         let mut st = self.state.lock();
         let inside = st
@@ -333,7 +397,13 @@ impl SimDevice {
             .range(..=addr)
             .next_back()
             .is_some_and(|(&s, &l)| addr + size <= s + l);
-        if size == 0 || !addr.is_multiple_of(g) || !size.is_multiple_of(g) || !inside {
+        if size == 0
+            || handle == 0
+            || !addr.is_multiple_of(g)
+            || !size.is_multiple_of(g)
+            || !handle.is_multiple_of(g)
+            || !inside
+        {
             return Err(Error::Driver(format!(
                 "CUDA_ERROR_INVALID_VALUE: cannot map [{addr:#x}, +{size}): not a granularity-aligned part of a reserved range"
             )));
@@ -343,7 +413,7 @@ impl SimDevice {
             .by_addr
             .range(..addr + size)
             .next_back()
-            .is_some_and(|(_, &end)| end > addr);
+            .is_some_and(|(_, run)| run.end > addr);
         if overlaps {
             return Err(Error::Driver(format!(
                 "CUDA_ERROR_INVALID_VALUE: [{addr:#x}, +{size}) is already mapped"
@@ -373,36 +443,47 @@ impl SimDevice {
             }
         }
         st.used += size;
-        st.vmm.next_handle += 1;
-        let handle = st.vmm.next_handle;
-        st.vmm.mapped.insert(handle, (addr, size));
-        st.vmm.by_addr.insert(addr, addr + size);
-        Ok(PhysHandle(handle))
+        let first = st.vmm.next_handle + 1;
+        let count = size.div_ceil(handle);
+        st.vmm.next_handle += count;
+        st.vmm.by_addr.insert(
+            addr,
+            Run {
+                end: addr + size,
+                each: handle,
+                first,
+            },
+        );
+        handles.extend((first..first + count).map(PhysHandle));
+        Ok(())
     }
 
-    fn vmm_unmap(&self, addr: usize, size: usize, handle: PhysHandle) -> Result<()> {
-        let (addr, size) = (addr as u64, size as u64);
+    /// Unmaps each mapping of `maps` under one lock, stopping at the first that is not one.
+    fn vmm_unmap_many(&self, maps: &[(usize, usize, PhysHandle)]) -> Result<()> {
         let mut st = self.state.lock();
-        if st.vmm.mapped.get(&handle.0) != Some(&(addr, size)) {
-            return Err(Error::Driver(format!(
-                "CUDA_ERROR_INVALID_VALUE: [{addr:#x}, +{size}) is not mapped by handle {}",
-                handle.0
-            )));
-        }
-        st.vmm.mapped.remove(&handle.0);
-        st.vmm.by_addr.remove(&addr);
-        st.used -= size;
-        if self.backed {
-            // SAFETY: the range was mapped read-write by vmm_map inside our own reservation;
-            // dropping its pages and making it inaccessible again touches nothing else.
-            unsafe {
-                libc::madvise(
-                    addr as *mut libc::c_void,
-                    size as usize,
-                    libc::MADV_DONTNEED,
-                );
-                libc::mprotect(addr as *mut libc::c_void, size as usize, libc::PROT_NONE);
+        let mut done = 0;
+        while done < maps.len() {
+            let n = st.vmm.unmap_run(&maps[done..]);
+            if n == 0 {
+                let (addr, size, handle) = maps[done];
+                return Err(Error::Driver(format!(
+                    "CUDA_ERROR_INVALID_VALUE: [{addr:#x}, +{size}) is not mapped by handle {}",
+                    handle.0
+                )));
             }
+            for &(addr, size, _) in &maps[done..done + n] {
+                st.used -= size as u64;
+                if self.backed {
+                    // SAFETY: the range was mapped read-write by vmm_map_many inside our own
+                    // reservation; dropping its pages and making it inaccessible again
+                    // touches nothing else.
+                    unsafe {
+                        libc::madvise(addr as *mut libc::c_void, size, libc::MADV_DONTNEED);
+                        libc::mprotect(addr as *mut libc::c_void, size, libc::PROT_NONE);
+                    }
+                }
+            }
+            done += n;
         }
         Ok(())
     }
@@ -562,7 +643,13 @@ impl SimDriver {
     /// Bytes of device memory mapped through virtual memory management on `device`.
     pub fn mapped(&self, device: usize) -> u64 {
         self.devices.get(device).map_or(0, |d| {
-            d.state.lock().vmm.mapped.values().map(|&(_, l)| l).sum()
+            d.state
+                .lock()
+                .vmm
+                .by_addr
+                .iter()
+                .map(|(&a, r)| r.end - a)
+                .sum()
         })
     }
 
@@ -801,14 +888,37 @@ impl Driver for SimDriver {
     }
 
     fn vmm_map(&self, device: usize, addr: usize, size: usize) -> Result<PhysHandle> {
-        let h = self.vmm_device(device)?.vmm_map(addr, size)?;
-        Self::bump(&self.counters.vmm_map);
-        Ok(h)
+        let mut one = Vec::with_capacity(1);
+        self.vmm_map_many(device, addr, size, size, &mut one)?;
+        Ok(one[0])
     }
 
     fn vmm_unmap(&self, device: usize, addr: usize, size: usize, handle: PhysHandle) -> Result<()> {
-        self.vmm_device(device)?.vmm_unmap(addr, size, handle)?;
-        Self::bump(&self.counters.vmm_unmap);
+        self.vmm_unmap_many(device, &[(addr, size, handle)])
+    }
+
+    fn vmm_map_many(
+        &self,
+        device: usize,
+        addr: usize,
+        size: usize,
+        handle: usize,
+        handles: &mut Vec<PhysHandle>,
+    ) -> Result<()> {
+        let before = handles.len();
+        self.vmm_device(device)?
+            .vmm_map_many(addr, size, handle, handles)?;
+        self.counters
+            .vmm_map
+            .fetch_add((handles.len() - before) as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn vmm_unmap_many(&self, device: usize, maps: &[(usize, usize, PhysHandle)]) -> Result<()> {
+        self.vmm_device(device)?.vmm_unmap_many(maps)?;
+        self.counters
+            .vmm_unmap
+            .fetch_add(maps.len() as u64, Ordering::Relaxed);
         Ok(())
     }
 }
