@@ -232,8 +232,14 @@ impl<'a> Decider<'a> {
     }
 
     /// Looks for a layout within `capacity` bytes, spending at most `*work` units (the rest
-    /// is left in `*work`).
-    pub(crate) fn decide(&mut self, capacity: u64, work: &mut u64) -> Outcome {
+    /// is left in `*work`): by all static orders in turn with a doubling budget, or, given
+    /// `order`, by one depth-first search in that order with the whole budget.
+    pub(crate) fn decide(
+        &mut self,
+        capacity: u64,
+        work: &mut u64,
+        order: Option<usize>,
+    ) -> Outcome {
         self.capacity = capacity;
         self.work_left = *work;
         let n = self.inst.len() as u64;
@@ -246,9 +252,12 @@ impl<'a> Decider<'a> {
         };
         // Round robin over the static orders with a doubling budget, as a portfolio: a
         // complete search under any of them is a proof.
-        let mut limit = (16 * n).max(1024);
+        let (mut limit, orders) = match order {
+            Some(h) => (u64::MAX, h..h + 1),
+            None => ((16 * n).max(1024), 0..PREORDERS.len()),
+        };
         let outcome = 'rounds: loop {
-            for h in 0..PREORDERS.len() {
+            for h in orders.clone() {
                 self.reset();
                 self.round_left = limit.min(self.work_left);
                 let before = self.round_left;
@@ -553,7 +562,10 @@ impl Problem {
     /// `deadline`): layouts at the lower bound `bound` (optimal) and smaller than the
     /// incumbent. `proven` when the result is known optimal. `improve_share`: the work of
     /// each probe for a smaller layout, as a fraction (numerator, denominator) of the work
-    /// of the probe at the lower end.
+    /// of the probe at the lower end. `one_order`: each probe for a smaller layout is one
+    /// depth-first search, in a static order that changes every other round, rather than
+    /// the restarting portfolio of [`Decider::decide`] (whose restarts cost several times
+    /// the work of the search that succeeds; the rounds' doubling work already restarts).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn canonical_search(
         &self,
@@ -563,6 +575,7 @@ impl Problem {
         alignment: u64,
         work: u64,
         improve_share: (u64, u64),
+        one_order: bool,
         deadline: Option<Instant>,
     ) -> Searched {
         let mut best = incumbent;
@@ -580,6 +593,7 @@ impl Problem {
         // the budget is spent.
         let mut lo = bound;
         let mut slice = (64 * inst.len() as u64).max(4096);
+        let mut round = 0;
         let proven = 'search: loop {
             for (k, &(num, den)) in PROBES.iter().enumerate() {
                 if lo >= best.arena_size {
@@ -600,7 +614,8 @@ impl Problem {
                 };
                 let mut probe = share.max(1).min(left);
                 let before = probe;
-                let outcome = decider.decide(capacity, &mut probe);
+                let order = (one_order && k > 0).then_some((round / 2 + k) % PREORDERS.len());
+                let outcome = decider.decide(capacity, &mut probe, order);
                 left -= before - probe;
                 match outcome {
                     Outcome::Found => best = self.plan_of(inst, &best, decider.solution()),
@@ -609,6 +624,7 @@ impl Problem {
                 }
             }
             slice = slice.saturating_mul(2);
+            round += 1;
         };
         Searched {
             plan: best,

@@ -398,8 +398,9 @@ impl Problem {
         }
         let inst = Instance::of(self);
         // The default wants a small plan more than a proof: its probes for smaller layouts get
-        // twice the work of the probe at the lower bound. `Exact` gives them an eighth, so
-        // that proving the bound costs little more than probing it alone.
+        // twice the work of the probe at the lower bound, each spent on one search. `Exact`
+        // gives them an eighth, so that proving the bound costs little more than probing it
+        // alone.
         let improve_share = if exhaustive { (1, 8) } else { (2, 1) };
         let searched = self.canonical_search(
             &inst,
@@ -408,6 +409,7 @@ impl Problem {
             alignment,
             work - spent,
             improve_share,
+            !exhaustive,
             deadline,
         );
         PlanOutcome {
