@@ -352,21 +352,26 @@ impl DeviceAllocator {
             self.shard_for_pools(stream)?
         };
         let mut retried = false;
-        {
-            let mut inner = shard.inner.lock_memo();
-            if let Some(addr) = inner.malloc_memo(
-                pool,
-                rounded,
-                size,
-                self.max_split_size,
-                &mut self.sink(shard),
-            ) {
-                self.note(Action::Alloc, addr, size, stream);
-                return Ok(addr);
-            }
+        let mut first = shard.inner.lock_memo();
+        if let Some(addr) = first.malloc_memo(
+            pool,
+            rounded,
+            size,
+            self.max_split_size,
+            &mut self.sink(shard),
+        ) {
+            self.note(Action::Alloc, addr, size, stream);
+            return Ok(addr);
         }
+        // The full path goes on under the same lock (an uncontended lock and unlock still
+        // cost two atomic read-modify-writes).
+        first.settle_memo();
+        let mut first = Some(first);
         loop {
-            let mut inner = shard.inner.lock();
+            let mut inner = match first.take() {
+                Some(inner) => inner,
+                None => shard.inner.lock(),
+            };
             if !inner.pending.is_empty() && !self.capture_blocks(stream) {
                 self.process_events(shard, &mut inner);
             }
