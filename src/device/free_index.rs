@@ -62,13 +62,38 @@ impl FreeIndex {
     /// The smallest key at or above `from`.
     #[inline]
     pub fn first_at_least(&self, from: Key) -> Option<Key> {
-        let binned = self.bins.first_at_least(from);
+        self.find(from).map(|f| f.key)
+    }
+
+    /// The smallest key at or above `from`, with where it lies, so that
+    /// [`FreeIndex::remove_found`] takes it out without searching again.
+    #[inline]
+    pub fn find(&self, from: Key) -> Option<Found> {
+        let binned = self
+            .bins
+            .first_at_least(from)
+            .map(|key| Found { key, at: None });
         if self.ordered.is_empty() {
             return binned;
         }
-        match (binned, self.ordered.first_at_least(from)) {
-            (Some(a), Some(b)) => Some(a.min(b)),
+        match (binned, self.ordered.find(from)) {
+            (Some(a), Some(b)) => Some(if b.key < a.key { b } else { a }),
             (a, b) => a.or(b),
+        }
+    }
+
+    /// Removes the key `found` by [`FreeIndex::find`], with no change to the index since.
+    #[inline]
+    pub fn remove_found(&mut self, found: &Found) {
+        match (found.at, &mut self.ordered) {
+            (Some(at), Ordered::Sorted(v)) => {
+                debug_assert_eq!(v[at], found.key);
+                self.generation += 1;
+                v.remove(at);
+            }
+            _ => {
+                self.remove(&found.key);
+            }
         }
     }
 
@@ -90,6 +115,14 @@ impl FreeIndex {
             }
         }))
     }
+}
+
+/// A key found by [`FreeIndex::find`].
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Found {
+    pub key: Key,
+    /// Its position in the sorted vector of the ordered part, if it lies there.
+    at: Option<usize>,
 }
 
 /// The bin of blocks of exactly `size` bytes, if such sizes are binned.
@@ -283,10 +316,13 @@ impl Ordered {
         }
     }
 
-    fn first_at_least(&self, from: Key) -> Option<Key> {
+    fn find(&self, from: Key) -> Option<Found> {
         match self {
-            Ordered::Sorted(v) => v.get(v.partition_point(|k| *k < from)).copied(),
-            Ordered::Tree(t) => t.range(from..).next().copied(),
+            Ordered::Sorted(v) => {
+                let at = v.partition_point(|k| *k < from);
+                v.get(at).map(|&key| Found { key, at: Some(at) })
+            }
+            Ordered::Tree(t) => t.range(from..).next().map(|&key| Found { key, at: None }),
         }
     }
 
@@ -341,6 +377,13 @@ mod tests {
                 index.first_at_least(probe),
                 model.range(probe..).next().copied()
             );
+            // Taking the found key out without a second search (the best-fit path).
+            if !grow && x.is_multiple_of(5) {
+                if let Some(found) = index.find(probe) {
+                    index.remove_found(&found);
+                    assert!(model.remove(&found.key));
+                }
+            }
         }
         assert!(index.iter().eq(model.iter().copied()));
         let probe = (20 * 512, 0, 0);

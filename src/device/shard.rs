@@ -347,7 +347,8 @@ impl ShardInner {
         rounded: usize,
         max_split_size: usize,
     ) -> Option<u32> {
-        let (mut size, _, mut id) = self.index_of(pool).first_at_least((rounded, 0, 0))?;
+        let found = self.index_of(pool).find((rounded, 0, 0))?;
+        let (mut size, _, mut id) = found.key;
         if self.blocks[id as usize].exp != NONE && self.exp.prefer_settled {
             (size, id) = self.prefer_settled(pool, size, id);
         }
@@ -355,7 +356,11 @@ impl ShardInner {
         if !super::size::block_fits(size, rounded, max_split_size) {
             return None;
         }
-        self.remove_free(id);
+        if id == found.key.2 {
+            self.index_of(pool).remove_found(&found);
+        } else {
+            self.remove_free(id);
+        }
         Some(id)
     }
 
