@@ -296,7 +296,13 @@ impl DeviceAllocator {
         home.stats.raise_top();
         let mut wanted = home.stats.wanted();
         for donor in self.shards.iter() {
-            if std::ptr::eq(donor, home) {
+            // A donor that shows no headroom of what is wanted is not locked. Its counters are
+            // read without its lock, so the look may be stale: a donor skipped wrongly only
+            // sends this settle to `settle_all`, which is exact, and one locked wrongly is
+            // checked again under its lock.
+            if std::ptr::eq(donor, home)
+                || !(donor.stats.may_spare(wanted) || donor.stats.is_over())
+            {
                 continue;
             }
             let Some(_donor) = donor.inner.try_lock() else {

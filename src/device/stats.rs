@@ -273,6 +273,21 @@ impl ShardStats {
             .fold(0, |mask, i| mask | 1 << i)
     }
 
+    /// Whether this shard has unused headroom (limit above current) of a statistic of
+    /// `wanted`: what [`ShardStats::take_spare`] could take from it as a donor.
+    pub fn may_spare(&self, wanted: u32) -> bool {
+        let mut left = wanted;
+        while left != 0 {
+            let i = left.trailing_zeros() as usize;
+            left &= left - 1;
+            let cell = &self.cells[i];
+            if cell.limit.load(Relaxed) > cell.current.load(Relaxed) {
+                return true;
+            }
+        }
+        false
+    }
+
     /// Moves unused headroom of `donor` to this shard, for the statistics of `wanted` (from
     /// [`ShardStats::wanted`]): up to their `top` (or their need), or all of it where the
     /// donor holds none of that statistic (an idle stream's headroom serves the busy one until
