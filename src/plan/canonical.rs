@@ -47,6 +47,35 @@ const NONE: u64 = u64::MAX;
 /// three quarters of the way up (a looser capacity is usually quicker to fill).
 const PROBES: [(u64, u64); 3] = [(0, 1), (1, 2), (3, 4)];
 
+/// How the optimising search shares its work between the probe at the lower end and the
+/// probes for a smaller layout.
+#[derive(Clone, Copy)]
+pub(crate) struct Schedule {
+    /// The work of each probe for a smaller layout, as a fraction (numerator, denominator)
+    /// of the work of the probe at the lower end.
+    improve_share: (u64, u64),
+    /// Each probe for a smaller layout is one depth-first search, in a static order that
+    /// changes every other round, rather than the restarting portfolio of
+    /// [`Decider::decide`] (whose restarts cost several times the work of the search that
+    /// succeeds; the rounds' doubling work already restarts).
+    one_order: bool,
+}
+
+impl Schedule {
+    /// The default wants a small plan more than a proof: its probes for smaller layouts get
+    /// twice the work of the probe at the lower bound, each spent on one search.
+    pub(crate) const DEFAULT: Schedule = Schedule {
+        improve_share: (2, 1),
+        one_order: true,
+    };
+    /// `Exact` gives them an eighth, so that proving the bound costs little more than
+    /// probing it alone.
+    pub(crate) const EXACT: Schedule = Schedule {
+        improve_share: (1, 8),
+        one_order: false,
+    };
+}
+
 /// The nonzero allocations of a problem as the search sees them.
 pub(crate) struct Instance {
     /// Problem index of each local allocation.
@@ -560,22 +589,14 @@ impl Problem {
 
     /// Improves `incumbent` (a valid layout) by canonical search within `work` units (and
     /// `deadline`): layouts at the lower bound `bound` (optimal) and smaller than the
-    /// incumbent. `proven` when the result is known optimal. `improve_share`: the work of
-    /// each probe for a smaller layout, as a fraction (numerator, denominator) of the work
-    /// of the probe at the lower end. `one_order`: each probe for a smaller layout is one
-    /// depth-first search, in a static order that changes every other round, rather than
-    /// the restarting portfolio of [`Decider::decide`] (whose restarts cost several times
-    /// the work of the search that succeeds; the rounds' doubling work already restarts).
-    #[allow(clippy::too_many_arguments)]
+    /// incumbent, probed as `schedule` says. `proven` when the result is known optimal.
     pub(crate) fn canonical_search(
         &self,
-        inst: &Instance,
         incumbent: OffsetPlan,
         bound: u64,
         alignment: u64,
         work: u64,
-        improve_share: (u64, u64),
-        one_order: bool,
+        schedule: Schedule,
         deadline: Option<Instant>,
     ) -> Searched {
         let mut best = incumbent;
@@ -587,7 +608,8 @@ impl Problem {
                 work: 0,
             };
         }
-        let mut decider = Decider::new(inst, deadline);
+        let inst = Instance::of(self);
+        let mut decider = Decider::new(&inst, deadline);
         // The optimum lies in lo..=best. Each round probes the capacities of `PROBES`, with
         // the work of each probe doubling from round to round, until lo meets the plan or
         // the budget is spent.
@@ -610,15 +632,17 @@ impl Problem {
                 let share = if k == 0 {
                     slice
                 } else {
-                    slice.saturating_mul(improve_share.0) / improve_share.1
+                    let (num, den) = schedule.improve_share;
+                    slice.saturating_mul(num) / den
                 };
                 let mut probe = share.max(1).min(left);
                 let before = probe;
-                let order = (one_order && k > 0).then_some((round / 2 + k) % PREORDERS.len());
+                let order =
+                    (schedule.one_order && k > 0).then_some((round / 2 + k) % PREORDERS.len());
                 let outcome = decider.decide(capacity, &mut probe, order);
                 left -= before - probe;
                 match outcome {
-                    Outcome::Found => best = self.plan_of(inst, &best, decider.solution()),
+                    Outcome::Found => best = self.plan_of(&inst, &best, decider.solution()),
                     Outcome::Infeasible => lo = capacity + alignment,
                     Outcome::Stopped => {}
                 }

@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use std::time::Instant;
 
-use super::canonical::Instance;
+use super::canonical::Schedule;
 use super::greedy::Greedy;
 use super::{Algorithm, OffsetPlan, PlanOutcome, Problem};
 
@@ -396,22 +396,13 @@ impl Problem {
         if best.arena_size == bound || nonzero.len() > SEARCH_LIMIT {
             return bounded(best, bound, spent);
         }
-        let inst = Instance::of(self);
-        // The default wants a small plan more than a proof: its probes for smaller layouts get
-        // twice the work of the probe at the lower bound, each spent on one search. `Exact`
-        // gives them an eighth, so that proving the bound costs little more than probing it
-        // alone.
-        let improve_share = if exhaustive { (1, 8) } else { (2, 1) };
-        let searched = self.canonical_search(
-            &inst,
-            best,
-            bound,
-            alignment,
-            work - spent,
-            improve_share,
-            !exhaustive,
-            deadline,
-        );
+        let schedule = if exhaustive {
+            Schedule::EXACT
+        } else {
+            Schedule::DEFAULT
+        };
+        let searched =
+            self.canonical_search(best, bound, alignment, work - spent, schedule, deadline);
         PlanOutcome {
             plan: searched.plan,
             proven_optimal: searched.proven,
