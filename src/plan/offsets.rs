@@ -320,11 +320,7 @@ impl Problem {
     /// A plan from an algorithm that does not search: proven optimal when it meets the
     /// lower bound.
     pub(crate) fn known(&self, plan: OffsetPlan) -> PlanOutcome {
-        PlanOutcome {
-            proven_optimal: plan.arena_size == self.lower_bound(),
-            plan,
-            work: 0,
-        }
+        bounded(plan, self.lower_bound(), 0)
     }
 
     /// The smallest plan among PyTorch's and the greedy orders (all of them unless the input is
