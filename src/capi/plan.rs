@@ -103,10 +103,11 @@ unsafe fn plan_into(
 /// share a byte. Sizes are rounded up to `alignment`; zero-byte allocations get offset 0.
 ///
 /// `alignment` is a nonzero power of two (64 suits CPU and GPU tensors). `algorithm` is NULL
-/// or `"default"` (the best plan tensoralloc finds: never larger than `"pytorch"`'s, with an
-/// search within a small work budget when the greedy orders miss the lower bound), `"pytorch"` (PyTorch's profiling-allocator plan: time
-/// order, best fit among free gaps), `"greedy-by-size"`, `"greedy-by-breadth"`,
-/// `"greedy-by-area"`, `"greedy-by-lifetime"`, `"greedy-by-time"` (one greedy placement each),
+/// or `"default"` (the best plan tensoralloc finds: never larger than `"pytorch"`'s; when no
+/// greedy order meets the lower bound, a search of up to 20,000,000 work units, a fraction of
+/// a second), `"pytorch"` (PyTorch's profiling-allocator plan: time order, best fit among
+/// free gaps), `"greedy-by-size"`, `"greedy-by-breadth"`, `"greedy-by-area"`,
+/// `"greedy-by-lifetime"`, `"greedy-by-time"` (one greedy placement each),
 /// `"best"` (same as the default) or `"exact"` (a canonical search with a budget of
 /// 4,000,000,000 work units, about a minute at most; `tensoralloc_plan_offsets_ex` sets
 /// another budget and says whether the plan is proven optimal). Plans are deterministic: the
@@ -182,10 +183,12 @@ pub struct tensoralloc_plan_result {
     pub proven_optimal: c_int,
 }
 
-/// `tensoralloc_plan_offsets` with a search budget, reporting whether the plan is proven
-/// optimal. `options` may be NULL (all defaults). On success writes `offsets[0..n]` and
-/// `*result` and returns `TENSORALLOC_OK`. Returns `TENSORALLOC_ERR_INVALID_ARGUMENT` with a
-/// last error, writing nothing, on the inputs `tensoralloc_plan_offsets` rejects, a NULL
+/// `tensoralloc_plan_offsets` with the search budget and time cap of `options` (for
+/// `"default"` and `"exact"`; the other algorithms do not search), reporting whether the plan
+/// is proven optimal. `options` may be NULL (all defaults: 20,000,000 work units for
+/// `"default"`, 4,000,000,000 for `"exact"`, no time cap). On success writes `offsets[0..n]`
+/// and `*result` and returns `TENSORALLOC_OK`. Returns `TENSORALLOC_ERR_INVALID_ARGUMENT` with
+/// a last error, writing nothing, on the inputs `tensoralloc_plan_offsets` rejects or a NULL
 /// `result`. The arrays and structs stay the caller's.
 #[no_mangle]
 pub extern "C" fn tensoralloc_plan_offsets_ex(

@@ -71,8 +71,9 @@ pub enum Algorithm {
     /// The smallest of the greedy orders below (all of them, stopping at the lower bound;
     /// fewer on inputs so dense that they would be slow) and, when none reaches the bound,
     /// [`Algorithm::Pytorch`]; then, still above the bound, greedy passes in perturbed size
-    /// orders and a canonical search (see `Exact`) within 20,000,000 (`DEFAULT_BEST_WORK`) work units.
-    /// Never larger than `Pytorch` on any input.
+    /// orders and a canonical search (see `Exact`) within 20,000,000 (`DEFAULT_BEST_WORK`)
+    /// work units unless [`PlanOptions::work_budget`] says otherwise. Never larger than
+    /// `Pytorch` on any input.
     Best,
     /// PyTorch's profiling-allocator plan: allocations and frees in time order, best fit among
     /// free gaps, coalescing on free, growing the arena at its end.
@@ -168,9 +169,9 @@ pub fn plan_offsets(
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct PlanOptions {
     /// Work units the search may spend (allocations scanned, sections checked, neighbours
-    /// updated; roughly 10^8 a second on one core). `None`: 20,000,000 (`DEFAULT_BEST_WORK`) for
-    /// `Best`, 4,000,000,000 (`DEFAULT_EXACT_WORK`) for `Exact`. The plan depends only on the input and
-    /// this budget, never on the machine.
+    /// updated; roughly 10^8 a second on one core). `None`: 20,000,000 (`DEFAULT_BEST_WORK`)
+    /// for `Best`, 4,000,000,000 (`DEFAULT_EXACT_WORK`) for `Exact`. The plan depends only on
+    /// the input and this budget, never on the machine.
     pub work_budget: Option<u64>,
     /// Wall-clock cap: the search stops early when it passes, so a plan under a time limit
     /// may differ between runs; leave `None` for reproducible plans.
