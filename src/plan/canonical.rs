@@ -77,7 +77,7 @@ impl Schedule {
 }
 
 /// The nonzero allocations of a problem as the search sees them.
-pub(crate) struct Instance {
+struct Instance {
     /// Problem index of each local allocation.
     ids: Vec<u32>,
     size: Vec<u64>,
@@ -98,7 +98,7 @@ pub(crate) struct Instance {
 }
 
 impl Instance {
-    pub(crate) fn of(p: &Problem) -> Instance {
+    fn of(p: &Problem) -> Instance {
         let conflicts = Conflicts::of(p);
         let ids = conflicts.nonzero.clone();
         let mut local = vec![u32::MAX; p.len()];
@@ -166,12 +166,12 @@ impl Instance {
     }
 
     /// Nonzero allocations.
-    pub(crate) fn len(&self) -> usize {
+    fn len(&self) -> usize {
         self.ids.len()
     }
 
     /// Problem index of local allocation `b`.
-    pub(crate) fn id(&self, b: usize) -> usize {
+    fn id(&self, b: usize) -> usize {
         self.ids[b] as usize
     }
 
@@ -186,7 +186,7 @@ impl Instance {
 
 /// How a decision search ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Outcome {
+enum Outcome {
     /// A layout within the capacity: [`Decider::solution`].
     Found,
     /// Proven: no layout fits in the capacity.
@@ -210,7 +210,7 @@ struct Partition {
 }
 
 /// Decision searches over one instance.
-pub(crate) struct Decider<'a> {
+struct Decider<'a> {
     inst: &'a Instance,
     capacity: u64,
     offset: Vec<u64>,
@@ -232,7 +232,7 @@ pub(crate) struct Decider<'a> {
 }
 
 impl<'a> Decider<'a> {
-    pub(crate) fn new(inst: &'a Instance, deadline: Option<Instant>) -> Decider<'a> {
+    fn new(inst: &'a Instance, deadline: Option<Instant>) -> Decider<'a> {
         let n = inst.len();
         let sections = inst.total.len();
         Decider {
@@ -256,19 +256,14 @@ impl<'a> Decider<'a> {
     }
 
     /// Offsets of the last layout found, by local allocation.
-    pub(crate) fn solution(&self) -> &[u64] {
+    fn solution(&self) -> &[u64] {
         &self.solution
     }
 
     /// Looks for a layout within `capacity` bytes, spending at most `*work` units (the rest
     /// is left in `*work`): by all static orders in turn with a doubling budget, or, given
     /// `order`, by one depth-first search in that order with the whole budget.
-    pub(crate) fn decide(
-        &mut self,
-        capacity: u64,
-        work: &mut u64,
-        order: Option<usize>,
-    ) -> Outcome {
+    fn decide(&mut self, capacity: u64, work: &mut u64, order: Option<usize>) -> Outcome {
         self.capacity = capacity;
         self.work_left = *work;
         let n = self.inst.len() as u64;
