@@ -377,8 +377,15 @@ impl State {
     /// Where the device allocation at `ptr` came from, if it is a live allocation of ours.
     #[inline]
     pub fn take_live(&self, ptr: usize) -> Option<Live> {
+        self.take_live_of(ptr, false)
+    }
+
+    /// The entry of `ptr` when it is live and a pinned (`host`) or device allocation as asked;
+    /// an allocation of the other kind stays live.
+    #[inline]
+    fn take_live_of(&self, ptr: usize, host: bool) -> Option<Live> {
         let live = self.live.remove(ptr)?;
-        if live.device == HOST {
+        if (live.device == HOST) != host {
             self.live.insert(ptr, live);
             return None;
         }
@@ -479,12 +486,7 @@ impl State {
     /// The host allocator's context of the pinned block at `ptr`, if it is live; a device
     /// allocation stays live.
     pub fn take_host_live(&self, ptr: usize) -> Option<usize> {
-        let live = self.live.remove(ptr)?;
-        if live.device != HOST {
-            self.live.insert(ptr, live);
-            return None;
-        }
-        Some(live.pool)
+        self.take_live_of(ptr, true).map(|live| live.pool)
     }
 
     /// Returns a pinned block to the cache once the work queued so far on `d`'s legacy and
