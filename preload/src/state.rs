@@ -20,10 +20,11 @@
 //! - `cudaFreeHost`/`cuMemFreeHost` blocks join the same batches (of the calling thread's
 //!   current device): they return to the pinned cache when the batch's markers have completed.
 //!
-//! The hot paths (a cached pair) take no lock of their own but the batch lock of a synchronous
-//! free, touch no thread-local storage, and read the settings through one atomic: the live
-//! allocations are a lock-free table ([`crate::live`]), the device of a context or stream is
-//! found in small shared caches filled on first sight.
+//! The hot paths (a cached pair) take no lock of their own but the lock of one front slot (per
+//! stream or size) and the batch lock of a synchronous free, touch no thread-local storage,
+//! and read the settings through one atomic: the live allocations are a lock-free table
+//! ([`crate::live`]), the device of a context or stream is found in small shared caches filled
+//! on first sight.
 
 use std::collections::{HashSet, VecDeque};
 use std::ffi::c_int;
