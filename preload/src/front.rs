@@ -95,8 +95,13 @@ impl Front {
     /// The blocks it displaces, and the block itself when it does not fit, go to
     /// `give_back(ptr, key they were kept under)`, called with the slot locked.
     #[inline]
-    pub fn keep(&self, key: usize, size: usize, ptr: usize, give_back: impl FnMut(usize, usize)) {
-        let mut give_back = give_back;
+    pub fn keep(
+        &self,
+        key: usize,
+        size: usize,
+        ptr: usize,
+        mut give_back: impl FnMut(usize, usize),
+    ) {
         let mut s = self.slot(key).lock();
         if s.key != key {
             // Another key's blocks leave the slot.

@@ -142,22 +142,24 @@ fn stream_target(
     stream: Stream,
     current: impl FnOnce(&State) -> Option<&Device>,
 ) -> Option<(&Device, Option<Stream>)> {
+    let d = match stream {
+        0 | STREAM_LEGACY | STREAM_PER_THREAD => current(state),
+        s => state.stream_device(s),
+    }?;
+    Some((d, pool_key(stream)))
+}
+
+/// The pool key of a stream-ordered call on `stream` (see [`stream_target`]).
+fn pool_key(stream: Stream) -> Option<Stream> {
     match stream {
-        0 | STREAM_LEGACY => current(state).map(|d| (d, Some(0))),
-        STREAM_PER_THREAD => current(state).map(|d| (d, None)),
-        s => state.stream_device(s).map(|d| (d, Some(s))),
+        0 | STREAM_LEGACY => Some(0),
+        STREAM_PER_THREAD => None,
+        s => Some(s),
     }
 }
 
 fn alloc_sync(state: &State, d: &Device, out: *mut usize, size: usize) -> Status {
-    match state.malloc_sync(d, size) {
-        Ok(p) => {
-            // SAFETY: checked non-NULL by the hook.
-            unsafe { put(out, p) };
-            SUCCESS
-        }
-        Err(e) => status_of(e),
-    }
+    alloc_async(state, d, None, out, size)
 }
 
 fn alloc_async(
@@ -198,12 +200,7 @@ fn free_async(state: &State, call: &str, ptr: usize, stream: Stream) -> Option<S
     let Some(live) = state.take_live(ptr) else {
         return state.owns(ptr).then(|| invalid_free(state, call, ptr));
     };
-    let key = match stream {
-        0 | STREAM_LEGACY => Some(0),
-        STREAM_PER_THREAD => None,
-        s => Some(s),
-    };
-    Some(match key {
+    Some(match pool_key(stream) {
         None => {
             state.free_sync(ptr, live);
             SUCCESS

@@ -123,6 +123,10 @@ impl LiveTable {
     /// Takes the entry of `ptr` out, if `ptr` is live.
     #[inline]
     pub fn remove(&self, ptr: usize) -> Option<Live> {
+        // 0 is the key of an empty slot, never a live address.
+        if ptr == 0 {
+            return None;
+        }
         let g = self.group(ptr);
         for i in 0..WAYS {
             if g.keys[i].load(Relaxed) == ptr {
@@ -133,10 +137,10 @@ impl LiveTable {
                     device: meta as u8,
                 };
                 // Release: the reads above come before another insert claims the slot.
-                if ptr != 0 && g.keys[i].compare_exchange(ptr, 0, Release, Relaxed).is_ok() {
-                    return Some(live);
-                }
-                return None;
+                return g.keys[i]
+                    .compare_exchange(ptr, 0, Release, Relaxed)
+                    .is_ok()
+                    .then_some(live);
             }
         }
         if self.overflowed.load(Relaxed) == 0 {

@@ -20,10 +20,11 @@
 //! - `cudaFreeHost`/`cuMemFreeHost` blocks join the same batches (of the calling thread's
 //!   current device): they return to the pinned cache when the batch's markers have completed.
 //!
-//! The hot paths (a cached pair) take no lock of their own but the batch lock of a synchronous
-//! free, touch no thread-local storage, and read the settings through one atomic: the live
-//! allocations are a lock-free table ([`crate::live`]), the device of a context or stream is
-//! found in small shared caches filled on first sight.
+//! The hot paths (a cached pair) take no lock of their own but the lock of one front slot (per
+//! stream or size) and the batch lock of a synchronous free, touch no thread-local storage,
+//! and read the settings through one atomic: the live allocations are a lock-free table
+//! ([`crate::live`]), the device of a context or stream is found in small shared caches filled
+//! on first sight.
 
 use std::collections::{HashSet, VecDeque};
 use std::ffi::c_int;
@@ -377,8 +378,15 @@ impl State {
     /// Where the device allocation at `ptr` came from, if it is a live allocation of ours.
     #[inline]
     pub fn take_live(&self, ptr: usize) -> Option<Live> {
+        self.take_live_of(ptr, false)
+    }
+
+    /// The entry of `ptr` when it is live and a pinned (`host`) or device allocation as asked;
+    /// an allocation of the other kind stays live.
+    #[inline]
+    fn take_live_of(&self, ptr: usize, host: bool) -> Option<Live> {
         let live = self.live.remove(ptr)?;
-        if live.device == HOST {
+        if (live.device == HOST) != host {
             self.live.insert(ptr, live);
             return None;
         }
@@ -479,12 +487,7 @@ impl State {
     /// The host allocator's context of the pinned block at `ptr`, if it is live; a device
     /// allocation stays live.
     pub fn take_host_live(&self, ptr: usize) -> Option<usize> {
-        let live = self.live.remove(ptr)?;
-        if live.device != HOST {
-            self.live.insert(ptr, live);
-            return None;
-        }
-        Some(live.pool)
+        self.take_live_of(ptr, true).map(|live| live.pool)
     }
 
     /// Returns a pinned block to the cache once the work queued so far on `d`'s legacy and
