@@ -192,14 +192,8 @@ impl Memo {
     fn free_stats(&self, requested: usize, max_split_size: usize, stats: &mut impl StatSink) {
         let pool = self.pool;
         let given = self.given();
-        stats.both(StatKind::Allocation, pool, -1);
-        stats.both(StatKind::AllocatedBytes, pool, -(given as i64));
-        stats.both(StatKind::RequestedBytes, pool, -(requested as i64));
-        if given >= max_split_size {
-            stats.change(OVERSIZE_ALLOCATIONS, -1);
-        }
-        stats.both(StatKind::Active, pool, -1);
-        stats.both(StatKind::ActiveBytes, pool, -(given as i64));
+        unallocation_stats(pool, given, requested, max_split_size, stats);
+        deactivation_stats(pool, given, stats);
         let rest = (self.size - self.rounded) as i64;
         match (self.split, self.was_split) {
             (true, true) => {
@@ -217,6 +211,32 @@ impl Memo {
             (false, false) => {}
         }
     }
+}
+
+/// The statistic changes of a client freeing an allocated block of `size` bytes
+/// ([`ShardInner::unallocate`], and a replayed free through [`Memo`]).
+#[inline(always)]
+fn unallocation_stats(
+    pool: PoolKind,
+    size: usize,
+    requested: usize,
+    max_split_size: usize,
+    stats: &mut impl StatSink,
+) {
+    stats.both(StatKind::Allocation, pool, -1);
+    stats.both(StatKind::AllocatedBytes, pool, -(size as i64));
+    stats.both(StatKind::RequestedBytes, pool, -(requested as i64));
+    if size >= max_split_size {
+        stats.change(OVERSIZE_ALLOCATIONS, -1);
+    }
+}
+
+/// The statistic changes of a freed block of `size` bytes leaving the active ones
+/// ([`ShardInner::release`], and a replayed free through [`Memo`]).
+#[inline(always)]
+fn deactivation_stats(pool: PoolKind, size: usize, stats: &mut impl StatSink) {
+    stats.both(StatKind::Active, pool, -1);
+    stats.both(StatKind::ActiveBytes, pool, -(size as i64));
 }
 
 /// A shard's lock. Locking carries out a held memo allocation first ([`Memo`]), so callers
@@ -594,12 +614,7 @@ impl ShardInner {
         let b = &mut self.blocks[id as usize];
         b.state = State::AwaitingEvents;
         let (pool, size, requested) = (b.pool, b.size, b.requested);
-        stats.both(StatKind::Allocation, pool, -1);
-        stats.both(StatKind::AllocatedBytes, pool, -(size as i64));
-        stats.both(StatKind::RequestedBytes, pool, -(requested as i64));
-        if size >= max_split_size {
-            stats.change(OVERSIZE_ALLOCATIONS, -1);
-        }
+        unallocation_stats(pool, size, requested, max_split_size, stats);
         Some(id)
     }
 
@@ -615,8 +630,7 @@ impl ShardInner {
         self.exp.frees += 1;
         let freed_at = self.exp.frees;
         self.blocks[id as usize].freed_at = freed_at;
-        stats.both(StatKind::Active, pool, -1);
-        stats.both(StatKind::ActiveBytes, pool, -(size as i64));
+        deactivation_stats(pool, size, stats);
 
         let prev = self.blocks[id as usize].prev;
         if prev != NONE && self.blocks[prev as usize].state == State::Free {
