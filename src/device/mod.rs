@@ -121,13 +121,6 @@ impl StatSink for OpSink<'_> {
 
     #[inline(always)]
     fn down_up(&mut self, index: usize, down: i64, up: i64) {
-        self.down_up_fused(index, down, up);
-    }
-}
-
-impl OpSink<'_> {
-    #[inline(always)]
-    fn down_up_fused(&mut self, index: usize, down: i64, up: i64) {
         if self.shard.stats.down_up(index, down, up) {
             self.over = true;
         }
