@@ -496,21 +496,13 @@ impl DeviceAllocator {
         if ptr == 0 {
             return Ok(true);
         }
-        let found = stream_hint
-            .and_then(|s| self.shards.get(s))
-            .and_then(|shard| {
-                let mut inner = shard.inner.lock_memo();
-                if let Some(requested) =
-                    inner.free_memo(ptr, self.max_split_size, &mut self.sink(shard))
-                {
-                    return Some(Err((shard, requested)));
-                }
-                inner.settle_memo();
-                self.unallocate_from(shard, inner, ptr).map(Ok)
-            })
-            .or_else(|| self.unallocate_in(self.owner_of(ptr)?, ptr).map(Ok));
-        let found = match found {
-            Some(Err((shard, requested))) => {
+        let mut found = None;
+        if let Some(shard) = stream_hint.and_then(|s| self.shards.get(s)) {
+            let mut inner = shard.inner.lock_memo();
+            if let Some(requested) =
+                inner.free_memo(ptr, self.max_split_size, &mut self.sink(shard))
+            {
+                drop(inner);
                 // The memo's allocation, freed as the full path would.
                 if self.history.on() {
                     self.note(Action::FreeRequested, ptr, requested, shard.stream);
@@ -518,9 +510,10 @@ impl DeviceAllocator {
                 }
                 return Ok(true);
             }
-            Some(Ok(found)) => Some(found),
-            None => None,
-        };
+            inner.settle_memo();
+            found = self.unallocate_from(shard, inner, ptr);
+        }
+        let found = found.or_else(|| self.unallocate_in(self.owner_of(ptr)?, ptr));
         let Some((shard, inner, id)) = found else {
             return Ok(false);
         };
