@@ -331,12 +331,11 @@ impl ShardInner {
         &mut self.blocks[id as usize]
     }
 
-    pub(super) fn small_index(&self) -> &FreeIndex {
-        &self.small
-    }
-
-    pub(super) fn large_index(&self) -> &FreeIndex {
-        &self.large
+    pub(super) fn free_index(&self, pool: PoolKind) -> &FreeIndex {
+        match pool {
+            PoolKind::Small => &self.small,
+            PoolKind::Large => &self.large,
+        }
     }
 
     pub(super) fn index_of(&mut self, pool: PoolKind) -> &mut FreeIndex {
@@ -367,7 +366,7 @@ impl ShardInner {
         rounded: usize,
         max_split_size: usize,
     ) -> Option<u32> {
-        let found = self.index_of(pool).find((rounded, 0, 0))?;
+        let found = self.free_index(pool).find((rounded, 0, 0))?;
         let (mut size, _, mut id) = found.key;
         if self.blocks[id as usize].exp != NONE && self.exp.prefer_settled {
             (size, id) = self.prefer_settled(pool, size, id);
@@ -453,7 +452,7 @@ impl ShardInner {
         plan.allocation_stats(requested, max_split_size, stats);
         let addr = self.carve(&plan, requested);
         self.candidate = (from_index && plan.exp == NONE).then(|| Memo {
-            generation: self.index_of(plan.pool).generation(),
+            generation: self.free_index(plan.pool).generation(),
             ..plan
         });
         addr
@@ -510,7 +509,7 @@ impl ShardInner {
             || m.pool != pool
             || self.held.is_some()
             || !self.pending.is_empty()
-            || self.index_of(pool).generation() != m.generation
+            || self.free_index(pool).generation() != m.generation
         {
             return None;
         }
@@ -570,7 +569,7 @@ impl ShardInner {
         self.remove_free(m.id);
         self.carve(&m, requested);
         self.candidate = Some(Memo {
-            generation: self.index_of(m.pool).generation(),
+            generation: self.free_index(m.pool).generation(),
             ..m
         });
     }
@@ -579,7 +578,7 @@ impl ShardInner {
     /// last full malloc took and its pool's free index has not changed since.
     pub fn memo_candidate(&mut self, id: u32) -> Option<Memo> {
         let c = self.candidate.take()?;
-        (c.id == id && self.index_of(c.pool).generation() == c.generation).then_some(c)
+        (c.id == id && self.free_index(c.pool).generation() == c.generation).then_some(c)
     }
 
     /// After the full path released the block of `candidate`: it becomes the memo if the
@@ -596,7 +595,7 @@ impl ShardInner {
                 )
         {
             self.memo = Some(Memo {
-                generation: self.index_of(candidate.pool).generation(),
+                generation: self.free_index(candidate.pool).generation(),
                 ..candidate
             });
         }
