@@ -357,7 +357,7 @@ impl DeviceAllocator {
             rounded,
             size,
             self.max_split_size,
-            &mut self.sink(shard),
+            &mut self.op_sink(shard),
         ) {
             self.note(Action::Alloc, addr, size, stream);
             return Ok(addr);
@@ -499,9 +499,9 @@ impl DeviceAllocator {
         let mut found = None;
         if let Some(shard) = stream_hint.and_then(|s| self.shards.get(s)) {
             let mut inner = shard.inner.lock_memo();
-            if let Some(requested) =
-                inner.free_memo(ptr, self.max_split_size, &mut self.sink(shard))
-            {
+            // The sink settles when this statement ends, under the shard's lock.
+            let replayed = inner.free_memo(ptr, self.max_split_size, &mut self.op_sink(shard));
+            if let Some(requested) = replayed {
                 drop(inner);
                 // The memo's allocation, freed as the full path would.
                 if self.history.on() {
