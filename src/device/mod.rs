@@ -151,8 +151,9 @@ impl<'a> LockedShards<'a> {
             home,
             count: alloc.shards.iter().count(),
         };
+        // Settling touches statistics only: a held memo allocation stays held.
         for shard in all.others() {
-            std::mem::forget(shard.inner.lock());
+            std::mem::forget(shard.inner.lock_memo());
         }
         all
     }
@@ -298,7 +299,7 @@ impl DeviceAllocator {
             {
                 continue;
             }
-            let Some(_donor) = donor.inner.try_lock() else {
+            let Some(_donor) = donor.inner.try_lock_memo() else {
                 continue;
             };
             if donor.stats.is_over() {

@@ -260,10 +260,17 @@ impl ShardLock {
     }
 
     /// Locks without carrying out a held memo allocation: the caller replays the memo or
-    /// calls [`ShardInner::settle_memo`] before anything else.
+    /// calls [`ShardInner::settle_memo`] before anything else, or touches only the shard's
+    /// statistics (a settle of peaks).
     #[inline]
     pub fn lock_memo(&self) -> MutexGuard<'_, ShardInner> {
         self.0.lock()
+    }
+
+    /// [`ShardLock::lock_memo`] if the lock is free.
+    #[inline]
+    pub fn try_lock_memo(&self) -> Option<MutexGuard<'_, ShardInner>> {
+        self.0.try_lock()
     }
 
     /// Unlocks a lock whose guard was forgotten.
