@@ -117,10 +117,7 @@ impl ShardInner {
     /// PyTorch's best fit among expandable blocks: a block that could grow counts as large
     /// as it could grow, so blocks that cannot are used first.
     pub(super) fn prefer_settled(&self, pool: PoolKind, size: usize, id: u32) -> (usize, u32) {
-        let index = match pool {
-            PoolKind::Small => self.small_index(),
-            PoolKind::Large => self.large_index(),
-        };
+        let index = self.free_index(pool);
         let (mut size, mut id) = (size, id);
         let mut key = (size, self.blocks[id as usize].addr, id);
         while let Some(next) = index.first_at_least((key.0, key.1, key.2 + 1)) {
@@ -425,11 +422,7 @@ impl ShardInner {
             // Walks the index by key: unmapping a block only adds smaller ones (its ends).
             let mut key = (floor, 0, 0);
             while report.bytes < goal {
-                let index = match pool {
-                    PoolKind::Small => self.small_index(),
-                    PoolKind::Large => self.large_index(),
-                };
-                let Some(k) = index.first_at_least(key) else {
+                let Some(k) = self.free_index(pool).first_at_least(key) else {
                     break;
                 };
                 key = (k.0, k.1, k.2 + 1);

@@ -121,13 +121,6 @@ impl StatSink for OpSink<'_> {
 
     #[inline(always)]
     fn down_up(&mut self, index: usize, down: i64, up: i64) {
-        self.down_up_fused(index, down, up);
-    }
-}
-
-impl OpSink<'_> {
-    #[inline(always)]
-    fn down_up_fused(&mut self, index: usize, down: i64, up: i64) {
         if self.shard.stats.down_up(index, down, up) {
             self.over = true;
         }
@@ -158,8 +151,9 @@ impl<'a> LockedShards<'a> {
             home,
             count: alloc.shards.iter().count(),
         };
+        // Settling touches statistics only: a held memo allocation stays held.
         for shard in all.others() {
-            std::mem::forget(shard.inner.lock());
+            std::mem::forget(shard.inner.lock_memo());
         }
         all
     }
@@ -305,7 +299,7 @@ impl DeviceAllocator {
             {
                 continue;
             }
-            let Some(_donor) = donor.inner.try_lock() else {
+            let Some(_donor) = donor.inner.try_lock_memo() else {
                 continue;
             };
             if donor.stats.is_over() {
@@ -364,7 +358,7 @@ impl DeviceAllocator {
             rounded,
             size,
             self.max_split_size,
-            &mut self.sink(shard),
+            &mut self.op_sink(shard),
         ) {
             self.note(Action::Alloc, addr, size, stream);
             return Ok(addr);
@@ -503,21 +497,13 @@ impl DeviceAllocator {
         if ptr == 0 {
             return Ok(true);
         }
-        let found = stream_hint
-            .and_then(|s| self.shards.get(s))
-            .and_then(|shard| {
-                let mut inner = shard.inner.lock_memo();
-                if let Some(requested) =
-                    inner.free_memo(ptr, self.max_split_size, &mut self.sink(shard))
-                {
-                    return Some(Err((shard, requested)));
-                }
-                inner.settle_memo();
-                self.unallocate_from(shard, inner, ptr).map(Ok)
-            })
-            .or_else(|| self.unallocate_in(self.owner_of(ptr)?, ptr).map(Ok));
-        let found = match found {
-            Some(Err((shard, requested))) => {
+        let mut found = None;
+        if let Some(shard) = stream_hint.and_then(|s| self.shards.get(s)) {
+            let mut inner = shard.inner.lock_memo();
+            // The sink settles when this statement ends, under the shard's lock.
+            let replayed = inner.free_memo(ptr, self.max_split_size, &mut self.op_sink(shard));
+            if let Some(requested) = replayed {
+                drop(inner);
                 // The memo's allocation, freed as the full path would.
                 if self.history.on() {
                     self.note(Action::FreeRequested, ptr, requested, shard.stream);
@@ -525,9 +511,10 @@ impl DeviceAllocator {
                 }
                 return Ok(true);
             }
-            Some(Ok(found)) => Some(found),
-            None => None,
-        };
+            inner.settle_memo();
+            found = self.unallocate_from(shard, inner, ptr);
+        }
+        let found = found.or_else(|| self.unallocate_in(self.owner_of(ptr)?, ptr));
         let Some((shard, inner, id)) = found else {
             return Ok(false);
         };

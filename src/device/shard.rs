@@ -192,14 +192,8 @@ impl Memo {
     fn free_stats(&self, requested: usize, max_split_size: usize, stats: &mut impl StatSink) {
         let pool = self.pool;
         let given = self.given();
-        stats.both(StatKind::Allocation, pool, -1);
-        stats.both(StatKind::AllocatedBytes, pool, -(given as i64));
-        stats.both(StatKind::RequestedBytes, pool, -(requested as i64));
-        if given >= max_split_size {
-            stats.change(OVERSIZE_ALLOCATIONS, -1);
-        }
-        stats.both(StatKind::Active, pool, -1);
-        stats.both(StatKind::ActiveBytes, pool, -(given as i64));
+        unallocation_stats(pool, given, requested, max_split_size, stats);
+        deactivation_stats(pool, given, stats);
         let rest = (self.size - self.rounded) as i64;
         match (self.split, self.was_split) {
             (true, true) => {
@@ -217,6 +211,32 @@ impl Memo {
             (false, false) => {}
         }
     }
+}
+
+/// The statistic changes of a client freeing an allocated block of `size` bytes
+/// ([`ShardInner::unallocate`], and a replayed free through [`Memo`]).
+#[inline(always)]
+fn unallocation_stats(
+    pool: PoolKind,
+    size: usize,
+    requested: usize,
+    max_split_size: usize,
+    stats: &mut impl StatSink,
+) {
+    stats.both(StatKind::Allocation, pool, -1);
+    stats.both(StatKind::AllocatedBytes, pool, -(size as i64));
+    stats.both(StatKind::RequestedBytes, pool, -(requested as i64));
+    if size >= max_split_size {
+        stats.change(OVERSIZE_ALLOCATIONS, -1);
+    }
+}
+
+/// The statistic changes of a freed block of `size` bytes leaving the active ones
+/// ([`ShardInner::release`], and a replayed free through [`Memo`]).
+#[inline(always)]
+fn deactivation_stats(pool: PoolKind, size: usize, stats: &mut impl StatSink) {
+    stats.both(StatKind::Active, pool, -1);
+    stats.both(StatKind::ActiveBytes, pool, -(size as i64));
 }
 
 /// A shard's lock. Locking carries out a held memo allocation first ([`Memo`]), so callers
@@ -240,10 +260,17 @@ impl ShardLock {
     }
 
     /// Locks without carrying out a held memo allocation: the caller replays the memo or
-    /// calls [`ShardInner::settle_memo`] before anything else.
+    /// calls [`ShardInner::settle_memo`] before anything else, or touches only the shard's
+    /// statistics (a settle of peaks).
     #[inline]
     pub fn lock_memo(&self) -> MutexGuard<'_, ShardInner> {
         self.0.lock()
+    }
+
+    /// [`ShardLock::lock_memo`] if the lock is free.
+    #[inline]
+    pub fn try_lock_memo(&self) -> Option<MutexGuard<'_, ShardInner>> {
+        self.0.try_lock()
     }
 
     /// Unlocks a lock whose guard was forgotten.
@@ -311,12 +338,11 @@ impl ShardInner {
         &mut self.blocks[id as usize]
     }
 
-    pub(super) fn small_index(&self) -> &FreeIndex {
-        &self.small
-    }
-
-    pub(super) fn large_index(&self) -> &FreeIndex {
-        &self.large
+    pub(super) fn free_index(&self, pool: PoolKind) -> &FreeIndex {
+        match pool {
+            PoolKind::Small => &self.small,
+            PoolKind::Large => &self.large,
+        }
     }
 
     pub(super) fn index_of(&mut self, pool: PoolKind) -> &mut FreeIndex {
@@ -347,7 +373,7 @@ impl ShardInner {
         rounded: usize,
         max_split_size: usize,
     ) -> Option<u32> {
-        let found = self.index_of(pool).find((rounded, 0, 0))?;
+        let found = self.free_index(pool).find((rounded, 0, 0))?;
         let (mut size, _, mut id) = found.key;
         if self.blocks[id as usize].exp != NONE && self.exp.prefer_settled {
             (size, id) = self.prefer_settled(pool, size, id);
@@ -433,7 +459,7 @@ impl ShardInner {
         plan.allocation_stats(requested, max_split_size, stats);
         let addr = self.carve(&plan, requested);
         self.candidate = (from_index && plan.exp == NONE).then(|| Memo {
-            generation: self.index_of(plan.pool).generation(),
+            generation: self.free_index(plan.pool).generation(),
             ..plan
         });
         addr
@@ -490,7 +516,7 @@ impl ShardInner {
             || m.pool != pool
             || self.held.is_some()
             || !self.pending.is_empty()
-            || self.index_of(pool).generation() != m.generation
+            || self.free_index(pool).generation() != m.generation
         {
             return None;
         }
@@ -550,7 +576,7 @@ impl ShardInner {
         self.remove_free(m.id);
         self.carve(&m, requested);
         self.candidate = Some(Memo {
-            generation: self.index_of(m.pool).generation(),
+            generation: self.free_index(m.pool).generation(),
             ..m
         });
     }
@@ -559,7 +585,7 @@ impl ShardInner {
     /// last full malloc took and its pool's free index has not changed since.
     pub fn memo_candidate(&mut self, id: u32) -> Option<Memo> {
         let c = self.candidate.take()?;
-        (c.id == id && self.index_of(c.pool).generation() == c.generation).then_some(c)
+        (c.id == id && self.free_index(c.pool).generation() == c.generation).then_some(c)
     }
 
     /// After the full path released the block of `candidate`: it becomes the memo if the
@@ -576,7 +602,7 @@ impl ShardInner {
                 )
         {
             self.memo = Some(Memo {
-                generation: self.index_of(candidate.pool).generation(),
+                generation: self.free_index(candidate.pool).generation(),
                 ..candidate
             });
         }
@@ -594,12 +620,7 @@ impl ShardInner {
         let b = &mut self.blocks[id as usize];
         b.state = State::AwaitingEvents;
         let (pool, size, requested) = (b.pool, b.size, b.requested);
-        stats.both(StatKind::Allocation, pool, -1);
-        stats.both(StatKind::AllocatedBytes, pool, -(size as i64));
-        stats.both(StatKind::RequestedBytes, pool, -(requested as i64));
-        if size >= max_split_size {
-            stats.change(OVERSIZE_ALLOCATIONS, -1);
-        }
+        unallocation_stats(pool, size, requested, max_split_size, stats);
         Some(id)
     }
 
@@ -615,8 +636,7 @@ impl ShardInner {
         self.exp.frees += 1;
         let freed_at = self.exp.frees;
         self.blocks[id as usize].freed_at = freed_at;
-        stats.both(StatKind::Active, pool, -1);
-        stats.both(StatKind::ActiveBytes, pool, -(size as i64));
+        deactivation_stats(pool, size, stats);
 
         let prev = self.blocks[id as usize].prev;
         if prev != NONE && self.blocks[prev as usize].state == State::Free {

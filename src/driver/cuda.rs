@@ -761,12 +761,6 @@ impl Driver for CudaDriver {
         })
     }
 
-    fn vmm_map(&self, device: usize, addr: usize, size: usize) -> Result<PhysHandle> {
-        let mut one = Vec::with_capacity(1);
-        self.vmm_map_many(device, addr, size, size, &mut one)?;
-        Ok(one[0])
-    }
-
     fn vmm_map_many(
         &self,
         device: usize,

@@ -121,9 +121,11 @@ pub trait Driver: Send + Sync {
     /// Creates one physical allocation of `size` bytes on `device`, maps it at `addr` (inside a
     /// reserved range, granularity-aligned) and makes it readable and writable by `device`.
     /// Out of device memory is [`Error::OutOfMemory`], and then nothing stays created.
+    /// Provided as a [`Driver::vmm_map_many`] of one allocation.
     fn vmm_map(&self, device: usize, addr: usize, size: usize) -> Result<PhysHandle> {
-        let _ = (device, addr, size);
-        Err(no_vmm(self.name()))
+        let mut one = Vec::with_capacity(1);
+        self.vmm_map_many(device, addr, size, size, &mut one)?;
+        Ok(one[0])
     }
 
     /// Unmaps `[addr, addr + size)`, mapped by one [`Driver::vmm_map`] that returned `handle`,
@@ -136,9 +138,9 @@ pub trait Driver: Send + Sync {
     /// Maps `[addr, addr + size)` as consecutive physical allocations of `handle` bytes each
     /// (the last one takes what is left), appending their handles to `handles` in address
     /// order, and makes the range readable and writable by `device`. All or nothing: on error
-    /// no new allocation stays created or mapped and `handles` is as it was. Drivers override
-    /// it to pay per-range costs (locking, access rights) once per range instead of once per
-    /// allocation.
+    /// no new allocation stays created or mapped and `handles` is as it was. This is what a
+    /// driver with virtual memory management implements: it pays per-range costs (locking,
+    /// access rights) once per range instead of once per allocation.
     fn vmm_map_many(
         &self,
         device: usize,
@@ -147,25 +149,8 @@ pub trait Driver: Send + Sync {
         handle: usize,
         handles: &mut Vec<PhysHandle>,
     ) -> Result<()> {
-        let first = handles.len();
-        let mut done = 0;
-        while done < size {
-            let len = handle.min(size - done);
-            match self.vmm_map(device, addr + done, len) {
-                Ok(h) => handles.push(h),
-                Err(e) => {
-                    let mut at = addr;
-                    for h in handles.drain(first..) {
-                        let l = handle.min(size - (at - addr));
-                        let _ = self.vmm_unmap(device, at, l, h);
-                        at += l;
-                    }
-                    return Err(e);
-                }
-            }
-            done += len;
-        }
-        Ok(())
+        let _ = (device, addr, size, handle, handles);
+        Err(no_vmm(self.name()))
     }
 
     /// Unmaps and releases each `(addr, size, handle)` of `maps` as [`Driver::vmm_unmap`]

@@ -887,12 +887,6 @@ impl Driver for SimDriver {
         self.vmm_device(device)?.vmm_free_range(addr, size)
     }
 
-    fn vmm_map(&self, device: usize, addr: usize, size: usize) -> Result<PhysHandle> {
-        let mut one = Vec::with_capacity(1);
-        self.vmm_map_many(device, addr, size, size, &mut one)?;
-        Ok(one[0])
-    }
-
     fn vmm_unmap(&self, device: usize, addr: usize, size: usize, handle: PhysHandle) -> Result<()> {
         self.vmm_unmap_many(device, &[(addr, size, handle)])
     }
