@@ -7,11 +7,17 @@
 //! search only branches on which allocation comes next. Time is cut into sections (one per
 //! distinct first use: the allocations live then); the search prunes a branch when
 //!
-//! - the unplaced bytes of a section, stacked on the section's floor, pass the capacity;
+//! - the unplaced bytes of a section, stacked on the lowest offset any of them can still take
+//!   (or on the offset of the next placement, below which nothing more goes), pass the
+//!   capacity;
 //! - the next allocation would leave room below it where another unplaced one fits whole
 //!   (the layout with that one moved down is as good: dominance);
 //! - it breaks the canonical order (symmetric orders of the same layout).
 //!
+//! A placement changes the sections of the allocation placed and of the neighbours it raises:
+//! one run of sections, each checked against one remembered low allocation before its
+//! members are scanned; the order of the unplaced allocations is kept sorted by merging in
+//! the raised ones, not sorted anew.
 //! When no unplaced allocation spans the boundary between two sections, the two sides are
 //! solved apart (temporal decomposition). Work is counted (allocations scanned, sections
 //! checked, neighbours updated), never timed, so a budget gives the same answer on any
@@ -215,7 +221,6 @@ struct Decider<'a> {
     capacity: u64,
     offset: Vec<u64>,
     min_offset: Vec<u64>,
-    floor: Vec<u64>,
     total: Vec<u64>,
     cuts: Vec<u32>,
     solution: Vec<u64>,
@@ -225,10 +230,14 @@ struct Decider<'a> {
     deadline: Option<Instant>,
     ticks: u32,
     out_of_time: bool,
-    /// Sections whose floor may rise after a placement (marked with `stamp`).
-    mark: Vec<u32>,
-    stamp: u32,
-    affected: Vec<u32>,
+    /// Allocations whose lowest offset a placement raised, with the offset before (a
+    /// stack undone as the search backtracks).
+    raised: Vec<(u32, u64)>,
+    /// Scratch space of [`Decider::search`].
+    moved: Vec<(u64, u32)>,
+    /// Per section: an unplaced allocation that was low enough in the section last time it
+    /// was checked (a hint only).
+    witness: Vec<u32>,
 }
 
 impl<'a> Decider<'a> {
@@ -240,7 +249,6 @@ impl<'a> Decider<'a> {
             capacity: 0,
             offset: vec![NONE; n],
             min_offset: vec![0; n],
-            floor: vec![0; sections],
             total: inst.total.clone(),
             cuts: inst.cuts.clone(),
             solution: vec![0; n],
@@ -249,9 +257,12 @@ impl<'a> Decider<'a> {
             deadline,
             ticks: 0,
             out_of_time: false,
-            mark: vec![0; sections],
-            stamp: 0,
-            affected: Vec::new(),
+            raised: Vec::new(),
+            moved: Vec::new(),
+            witness: inst.members_start[..sections]
+                .iter()
+                .map(|&k| inst.members.get(k).copied().unwrap_or(0))
+                .collect(),
         }
     }
 
@@ -305,7 +316,6 @@ impl<'a> Decider<'a> {
     fn reset(&mut self) {
         self.offset.iter_mut().for_each(|o| *o = NONE);
         self.min_offset.iter_mut().for_each(|o| *o = 0);
-        self.floor.iter_mut().for_each(|f| *f = 0);
         self.total.copy_from_slice(&self.inst.total);
         self.cuts.copy_from_slice(&self.inst.cuts);
     }
@@ -420,33 +430,68 @@ impl<'a> Decider<'a> {
         if !self.spend(units) {
             return Step::Stopped;
         }
-        let mut ordering: Vec<(u64, u32)> = previous
-            .iter()
-            .filter(|&&(_, r)| self.offset[preorder[r as usize] as usize] == NONE)
-            .map(|&(_, r)| (self.min_offset[preorder[r as usize] as usize], r))
-            .collect();
-        if ordering.is_empty() {
+        // The parent's order less what was placed, merged with the allocations raised since
+        // (few, and usually all to one offset): cheaper than sorting anew.
+        let mut ordering: Vec<(u64, u32)> = Vec::with_capacity(previous.len());
+        let mut moved = std::mem::take(&mut self.moved);
+        moved.clear();
+        for &(o, r) in previous {
+            let b = preorder[r as usize] as usize;
+            if self.offset[b] != NONE {
+                continue;
+            }
+            let m = self.min_offset[b];
+            if m == o {
+                ordering.push((o, r));
+            } else {
+                moved.push((m, r));
+            }
+        }
+        if ordering.is_empty() && moved.is_empty() {
+            self.moved = moved;
             return Step::Found;
         }
-        ordering.sort_unstable();
+        if !moved.is_empty() {
+            moved.sort_unstable();
+            let stay = ordering.len();
+            ordering.extend_from_slice(&moved);
+            merge_sorted(&mut ordering, stay, &mut moved);
+        }
+        self.moved = moved;
         let min_height = ordering
             .iter()
             .map(|&(o, r)| o + self.inst.size[preorder[r as usize] as usize])
             .min()
             .expect("not empty");
+        // Every allocation from here on goes at or above the one placed next, so each
+        // section's unplaced bytes must fit above that offset.
+        let (l, e) = (part.sections.0 as usize, part.sections.1 as usize);
+        let highest = self.total[l..e].iter().copied().max().unwrap_or(0);
+        let Some(ceiling) = self.capacity.checked_sub(highest) else {
+            return Step::NotFound;
+        };
         for k in 0..ordering.len() {
             let (offset, rank) = ordering[k];
             if (offset, rank) < (min_offset, min_rank) {
                 continue;
+            }
+            if offset > ceiling {
+                break;
             }
             // Something unplaced fits whole below: leaving that room empty is dominated.
             if offset >= min_height {
                 break;
             }
             let b = preorder[rank as usize] as usize;
-            let step = self.place(part, preorder, &ordering, b, offset, rank, h);
+            let (step, hatless) = self.place(part, preorder, &ordering, b, offset, rank, h);
             if step != Step::NotFound {
                 return step;
+            }
+            // Nothing unplaced is live with `b`: any layout of the rest that some other
+            // choice here leads to also completes with `b` placed first (MiniMalloc's
+            // "hatless" pruning).
+            if hatless {
+                break;
             }
         }
         Step::NotFound
@@ -462,65 +507,41 @@ impl<'a> Decider<'a> {
         offset: u64,
         rank: u32,
         h: usize,
-    ) -> Step {
+    ) -> (Step, bool) {
         let inst = self.inst;
         let size = inst.size[b];
         let height = offset + size;
+        let (l, e) = (inst.lo[b] as usize, inst.hi[b] as usize);
         self.offset[b] = offset;
         self.solution[b] = offset;
-        // Neighbours now rest at least on this allocation.
-        self.stamp = self.stamp.wrapping_add(1);
-        if self.stamp == 0 {
-            self.mark.iter_mut().for_each(|m| *m = 0);
-            self.stamp = 1;
-        }
-        self.affected.clear();
-        let mut raised: Vec<(u32, u64)> = Vec::new();
+        // Neighbours now rest at least on this allocation. The sections whose unplaced
+        // allocations changed are this one's and those of the neighbours raised, all of which
+        // meet this one's: one run of sections.
+        let mut hatless = true;
+        let (mut first, mut end) = (l, e);
+        let mark = self.raised.len();
         for &o in inst.neighbours(b) {
             let o = o as usize;
-            if self.offset[o] == NONE && self.min_offset[o] < height {
-                raised.push((o as u32, self.min_offset[o]));
+            if self.offset[o] != NONE {
+                continue;
+            }
+            hatless = false;
+            if self.min_offset[o] < height {
+                self.raised.push((o as u32, self.min_offset[o]));
                 self.min_offset[o] = height;
-                for s in inst.lo[o]..inst.hi[o] {
-                    if self.mark[s as usize] != self.stamp {
-                        self.mark[s as usize] = self.stamp;
-                        self.affected.push(s);
-                    }
-                }
+                first = first.min(inst.lo[o] as usize);
+                end = end.max(inst.hi[o] as usize);
             }
         }
-        let mut floors: Vec<(u32, u64)> = Vec::new();
-        let (l, e) = (inst.lo[b] as usize, inst.hi[b] as usize);
         for s in l..e {
-            floors.push((s as u32, self.floor[s]));
-            self.floor[s] = height;
             self.total[s] -= size;
         }
-        // A section's floor is at least the lowest place any of its unplaced allocations
-        // can still go.
-        let mut scanned = inst.neighbours(b).len() + (e - l);
-        let affected = std::mem::take(&mut self.affected);
-        for &s in &affected {
-            let s = s as usize;
-            let members = inst.members(s);
-            scanned += members.len();
-            let lowest = members
-                .iter()
-                .filter(|&&o| self.offset[o as usize] == NONE)
-                .map(|&o| self.min_offset[o as usize])
-                .min();
-            if let Some(lowest) = lowest {
-                if self.floor[s] < lowest {
-                    floors.push((s as u32, self.floor[s]));
-                    self.floor[s] = lowest;
-                }
-            }
-        }
-        self.affected = affected;
+        let mut scanned = (inst.neighbours(b).len() + (end - first)) as u64;
+        let fits = self.sections_fit(first, end, &mut scanned);
         let mut step = Step::NotFound;
-        if !self.spend(scanned as u64) {
+        if !self.spend(scanned) {
             step = Step::Stopped;
-        } else if self.fits(part, offset) {
+        } else if fits {
             for s in l..e.saturating_sub(1) {
                 self.cuts[s] -= 1;
             }
@@ -534,27 +555,66 @@ impl<'a> Decider<'a> {
                 self.cuts[s] += 1;
             }
         }
-        for &(s, f) in floors.iter().rev() {
-            self.floor[s as usize] = f;
-        }
         for s in l..e {
             self.total[s] += size;
         }
-        for &(o, m) in raised.iter().rev() {
+        for &(o, m) in self.raised[mark..].iter().rev() {
             self.min_offset[o as usize] = m;
         }
+        self.raised.truncate(mark);
         self.offset[b] = NONE;
-        step
+        (step, hatless)
     }
 
-    /// Whether every section of `part` can still hold its unplaced bytes, all of which go at
-    /// or above `offset`.
-    fn fits(&self, part: &Partition, offset: u64) -> bool {
-        let (l, e) = (part.sections.0 as usize, part.sections.1 as usize);
-        self.floor[l..e]
-            .iter()
-            .zip(&self.total[l..e])
-            .all(|(&f, &t)| f.max(offset) + t <= self.capacity)
+    /// Whether sections `first..end` can still hold their unplaced bytes: each needs one
+    /// unplaced allocation low enough that all of them fit above it (the lowest any of them
+    /// can go). The allocation last found is tried first, so that most checks look at one
+    /// allocation rather than the section's. Adds the allocations scanned to `scanned`.
+    fn sections_fit(&mut self, first: usize, end: usize, scanned: &mut u64) -> bool {
+        let inst = self.inst;
+        for s in first..end {
+            let total = self.total[s];
+            if total == 0 {
+                continue;
+            }
+            let Some(room) = self.capacity.checked_sub(total) else {
+                return false;
+            };
+            let w = self.witness[s] as usize;
+            if self.offset[w] == NONE && self.min_offset[w] <= room {
+                continue;
+            }
+            let members = inst.members(s);
+            *scanned += members.len() as u64;
+            let lowest = members
+                .iter()
+                .filter(|&&o| self.offset[o as usize] == NONE)
+                .min_by_key(|&&o| self.min_offset[o as usize]);
+            match lowest {
+                Some(&o) if self.min_offset[o as usize] <= room => self.witness[s] = o,
+                _ => return false,
+            }
+        }
+        true
+    }
+}
+
+/// Merges the sorted runs `items[..mid]` and `items[mid..]` in place, with `scratch` as
+/// room for the second run.
+fn merge_sorted<T: Copy + Ord>(items: &mut [T], mid: usize, scratch: &mut Vec<T>) {
+    scratch.clear();
+    scratch.extend_from_slice(&items[mid..]);
+    // Fill from the back: the larger of the two runs' last items goes last.
+    let (mut i, mut j, mut k) = (mid, scratch.len(), items.len());
+    while j > 0 {
+        if i > 0 && items[i - 1] > scratch[j - 1] {
+            items[k - 1] = items[i - 1];
+            i -= 1;
+        } else {
+            items[k - 1] = scratch[j - 1];
+            j -= 1;
+        }
+        k -= 1;
     }
 }
 
