@@ -37,7 +37,7 @@ fn exact_proves_the_lower_bound_optimal_on_every_instance_where_it_is_reachable(
     for name in AT_THE_BOUND {
         let allocs = instance(name);
         let bound = lower_bound(&allocs, 1).unwrap();
-        let out = plan_offsets_with(&allocs, 1, Algorithm::Exact, &budget(100_000_000)).unwrap();
+        let out = plan_offsets_with(&allocs, 1, Algorithm::Exact, &budget(200_000_000)).unwrap();
         validate(&allocs, &out.plan, 1).unwrap();
         assert_eq!(out.plan.arena_size, bound, "{name}");
         assert!(out.proven_optimal, "{name}");

@@ -49,30 +49,34 @@ enum Key {
 
 const NONE: u64 = u64::MAX;
 
-/// Where the optimising search probes between the largest capacity known to be too small
-/// and the best plan: the lower end itself (a layout there is optimal), then a half and
-/// three quarters of the way up (a looser capacity is usually quicker to fill).
-const PROBES: [(u64, u64); 3] = [(0, 1), (1, 2), (3, 4)];
-
-/// How the optimising search shares its work between the probe at the lower end and the
-/// probes for a smaller layout.
+/// How the optimising search probes between the largest capacity known to be too small and
+/// the best plan, and how it shares its work between the probes.
 #[derive(Clone, Copy)]
 pub(crate) struct Schedule {
+    /// The capacities probed, as fractions (numerator, denominator) of the way up from the
+    /// lower end to the best plan: the lower end itself first (a layout there is optimal).
+    probes: &'static [(u64, u64)],
     /// The work of each probe for a smaller layout, as a fraction (numerator, denominator)
     /// of the work of the probe at the lower end.
     improve_share: (u64, u64),
 }
 
 impl Schedule {
-    /// The default wants a small plan more than a proof: its probes for smaller layouts get
-    /// twice the work of the probe at the lower bound.
+    /// The default wants a small plan more than a proof: it probes a half and three quarters
+    /// of the way up (a layout there improves the plan by much more than one just below it
+    /// would), each with twice the work of the probe at the lower bound.
     pub(crate) const DEFAULT: Schedule = Schedule {
+        probes: &[(0, 1), (1, 2), (3, 4)],
         improve_share: (2, 1),
     };
-    /// `Exact` gives them an eighth, so that proving the bound costs little more than
-    /// probing it alone.
+    /// `Exact` also probes just below the best plan (a search there is quick when the plan
+    /// is close to the optimum, as it is once the others have improved it), each probe with
+    /// the work of the one at the lower end: proofs cost about four times the work of
+    /// asking at the lower end alone, and where the bound cannot be reached (or not be
+    /// ruled out) the plan gets closer to it.
     pub(crate) const EXACT: Schedule = Schedule {
-        improve_share: (1, 8),
+        probes: &[(0, 1), (1, 2), (3, 4), (63, 64)],
+        improve_share: (1, 1),
     };
 }
 
@@ -860,13 +864,13 @@ impl Problem {
             out_of_time: false,
         };
         // The optimum lies in lo..=best. Each round gives the probes at the capacities of
-        // `PROBES` more work (doubling from round to round), each going on where it stopped
+        // the schedule more work (doubling from round to round), each going on where it stopped
         // unless its capacity changed, until lo meets the plan or the budget is spent.
         let mut lo = bound;
-        let mut probes: Vec<Option<Probe>> = PROBES.iter().map(|_| None).collect();
+        let mut probes: Vec<Option<Probe>> = schedule.probes.iter().map(|_| None).collect();
         let mut slice = (64 * inst.len() as u64).max(4096);
         let proven = 'search: loop {
-            for (k, &(num, den)) in PROBES.iter().enumerate() {
+            for (k, &(num, den)) in schedule.probes.iter().enumerate() {
                 if lo >= best.arena_size {
                     break 'search true;
                 }
