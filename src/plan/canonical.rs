@@ -275,6 +275,8 @@ struct Dfs<'a> {
     /// was checked (a hint only).
     witness: Vec<u32>,
     stack: Vec<Frame>,
+    /// Orders of finished nodes, kept for new ones (no allocation per node).
+    spare: Vec<Vec<(u64, u32)>>,
     /// What the frame last finished said to the one below: found, and whether the
     /// allocation it placed had nothing unplaced live with it.
     ret: Option<(bool, bool)>,
@@ -307,6 +309,7 @@ impl<'a> Dfs<'a> {
                 .map(|&k| inst.members.get(k).copied().unwrap_or(0))
                 .collect(),
             stack: Vec::new(),
+            spare: Vec::new(),
             ret: None,
             left: 0,
             outcome: None,
@@ -403,6 +406,7 @@ impl<'a> Dfs<'a> {
                         }
                         self.enter(&preorder, &mut ordering);
                         if ordering.is_empty() {
+                            self.spare.push(ordering);
                             self.ret = Some((true, false));
                             continue;
                         }
@@ -411,6 +415,7 @@ impl<'a> Dfs<'a> {
                         // of the rest that some other choice here leads to also completes
                         // with it placed first (MiniMalloc's "hatless" pruning).
                         if found || hatless {
+                            self.spare.push(ordering);
                             self.ret = Some((found, false));
                             continue;
                         }
@@ -431,13 +436,21 @@ impl<'a> Dfs<'a> {
                             });
                             return Outcome::Stopped;
                         }
-                        Choice::None => self.ret = Some((false, false)),
+                        Choice::None => {
+                            self.spare.push(ordering);
+                            self.ret = Some((false, false));
+                        }
                         Choice::Placed(k, placed, child) => {
                             let (offset, rank) = ordering[k];
                             let child = child.unwrap_or_else(|| Frame::Node {
                                 part: part.clone(),
                                 preorder: preorder.clone(),
-                                ordering: ordering.clone(),
+                                ordering: {
+                                    let mut copy = self.spare.pop().unwrap_or_default();
+                                    copy.clear();
+                                    copy.extend_from_slice(&ordering);
+                                    copy
+                                },
                                 entered: false,
                                 min_offset: offset,
                                 min_rank: rank,
