@@ -1,0 +1,46 @@
+//! Time per allocator call of PyTorch's own CUDA caching allocator and of tensoralloc's C
+//! functions, replaying the real snapshots in `tests/data/traces/` in one process
+//! (`tests/pytorch_native/replay.cpp`; PyTorch's `libc10_cuda.so` runs on a stand-in CUDA
+//! runtime, tensoralloc on the simulated device). Thread CPU time, best of `ROUNDS` rounds
+//! (default 5); prints ns per call and per trace event of each, and their ratio.
+//!
+//! `cargo bench --bench pytorch_native` after `scripts/fetch-torch-headers` (which also
+//! unpacks PyTorch's allocator libraries into `target/torch-lib`).
+
+#[path = "../tests/pytorch_native/harness.rs"]
+mod harness;
+
+fn main() {
+    // `cargo bench` passes `--bench`; a plain `cargo test --benches` run passes nothing and
+    // only checks that this builds.
+    if !std::env::args().any(|a| a == "--bench") {
+        return;
+    }
+    let exe_dir = std::env::current_exe().unwrap();
+    // target/release/deps/<bench> -> target/release, where libtensoralloc.so is.
+    let lib = exe_dir
+        .parent()
+        .and_then(|d| d.parent())
+        .unwrap()
+        .to_path_buf();
+    assert!(
+        lib.join("libtensoralloc.so").exists(),
+        "{} has no libtensoralloc.so: run `cargo build --release` first",
+        lib.display()
+    );
+    let dir =
+        std::env::temp_dir().join(format!("tensoralloc-pytorch-bench-{}", std::process::id()));
+    let exe = harness::build(&dir, &lib);
+    let ops: Vec<_> = harness::traces()
+        .iter()
+        .map(|t| harness::write_ops(t, &dir))
+        .collect();
+    let rounds = std::env::var("ROUNDS")
+        .ok()
+        .and_then(|r| r.parse().ok())
+        .unwrap_or(5);
+    let (ok, out) = harness::replay(&exe, &ops, rounds);
+    print!("{out}");
+    std::fs::remove_dir_all(&dir).ok();
+    assert!(ok, "the replay failed");
+}
