@@ -16,18 +16,7 @@ fn main() {
     if !std::env::args().any(|a| a == "--bench") {
         return;
     }
-    let exe_dir = std::env::current_exe().unwrap();
-    // target/release/deps/<bench> -> target/release, where libtensoralloc.so is.
-    let lib = exe_dir
-        .parent()
-        .and_then(|d| d.parent())
-        .unwrap()
-        .to_path_buf();
-    assert!(
-        lib.join("libtensoralloc.so").exists(),
-        "{} has no libtensoralloc.so: run `cargo build --release` first",
-        lib.display()
-    );
+    let lib = harness::lib_dir();
     let dir =
         std::env::temp_dir().join(format!("tensoralloc-pytorch-bench-{}", std::process::id()));
     let exe = harness::build(&dir, &lib);

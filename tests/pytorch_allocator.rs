@@ -6,12 +6,10 @@
 #[path = "pytorch_native/harness.rs"]
 mod harness;
 
-mod support;
-
 #[test]
 fn every_statistic_matches_pytorchs_own_allocator_on_real_traces() {
     let dir = std::env::temp_dir().join(format!("tensoralloc-pytorch-{}", std::process::id()));
-    let exe = harness::build(&dir, &support::lib_dir());
+    let exe = harness::build(&dir, &harness::lib_dir());
     let traces = harness::traces();
     assert!(
         traces.len() >= 6,

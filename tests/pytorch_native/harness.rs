@@ -15,6 +15,19 @@ pub fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
 
+/// The directory holding the `libtensoralloc.so` that cargo built with the running test or
+/// bench (`target/<profile>/deps`; the copy one level up is only refreshed by `cargo build`).
+pub fn lib_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("the running executable's path");
+    let dir = exe.parent().expect("target/<profile>/deps").to_path_buf();
+    assert!(
+        dir.join("libtensoralloc.so").exists(),
+        "{} has no libtensoralloc.so",
+        dir.display()
+    );
+    dir
+}
+
 /// A fetched directory: `$var`, else `target/<default>`, which must hold `probe`.
 fn fetched(var: &str, default: &str, probe: &str, script: &str) -> PathBuf {
     let dir = std::env::var_os(var)
