@@ -3,10 +3,14 @@
 //! (`tests/pytorch_native/replay.cpp`; PyTorch's `libc10_cuda.so` runs on a stand-in CUDA
 //! runtime, tensoralloc on the simulated device). Thread CPU time, best of `ROUNDS` rounds
 //! (default 5); prints ns per call and per trace event of each, and their ratio.
+//! `PYTORCH_CUDA_ALLOC_CONF` reaches both allocators and `TENSORALLOC_CONF` overrides it for
+//! tensoralloc; `EXACT=0` skips the statistics comparison (for settings that are not
+//! PyTorch's, such as `policy:compact`).
 //!
 //! `cargo bench --bench pytorch_native` after `scripts/fetch-torch-headers` (which also
 //! unpacks PyTorch's allocator libraries into `target/torch-lib`).
 
+#[allow(dead_code)] // the statistics test also uses the harness
 #[path = "../tests/pytorch_native/harness.rs"]
 mod harness;
 
@@ -28,7 +32,17 @@ fn main() {
         .ok()
         .and_then(|r| r.parse().ok())
         .unwrap_or(5);
-    let (ok, out) = harness::replay(&exe, &ops, rounds);
+    // Settings pass through: `PYTORCH_CUDA_ALLOC_CONF` reaches both allocators, and
+    // `TENSORALLOC_CONF` overrides it for tensoralloc.
+    let settings: Vec<(String, String)> = ["PYTORCH_CUDA_ALLOC_CONF", "TENSORALLOC_CONF", "EXACT"]
+        .iter()
+        .filter_map(|k| std::env::var(k).ok().map(|v| (k.to_string(), v)))
+        .collect();
+    let env: Vec<(&str, &str)> = settings
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect();
+    let (ok, out) = harness::replay(&exe, &ops, rounds, &env);
     print!("{out}");
     std::fs::remove_dir_all(&dir).ok();
     assert!(ok, "the replay failed");

@@ -1,7 +1,10 @@
 // A stand-in libcudart.so.13 with just enough of the runtime for PyTorch's caching allocator
 // (libc10_cuda.so) to run on a machine without a GPU: one device, device memory handed out
-// as address ranges that are never touched, events that have always completed. It exists
-// to time PyTorch's own allocator bookkeeping next to tensoralloc's on the simulated device.
+// as address ranges that are never touched, events that have always completed, and the
+// driver's virtual-memory functions that PyTorch's expandable segments fetch through
+// cudaGetDriverEntryPointByVersion. It exists to run PyTorch's own allocator bookkeeping
+// next to tensoralloc's on the simulated device.
+#include <cuda.h>
 #include <cuda_runtime_api.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -148,11 +151,112 @@ cudaError_t cudaThreadExchangeStreamCaptureMode(enum cudaStreamCaptureMode *mode
   (void)mode;
   return cudaSuccess;
 }
+// The driver's virtual-memory functions. Reserved ranges are numbers above the cudaMalloc
+// span (never touched either); physical handles count against the device's capacity.
+#define VM_GRANULARITY (2ull << 20)
+static CUdeviceptr next_reservation;
+
+static CUresult drv_get_error_string(CUresult e, const char **s) {
+  *s = e == CUDA_SUCCESS ? "no error" : "stand-in driver error";
+  return CUDA_SUCCESS;
+}
+static CUresult drv_device_get(CUdevice *d, int ordinal) {
+  if (ordinal != 0) return CUDA_ERROR_INVALID_DEVICE;
+  *d = 0;
+  return CUDA_SUCCESS;
+}
+static CUresult drv_device_get_attribute(int *v, CUdevice_attribute a, CUdevice d) {
+  (void)d;
+  *v = a == CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED;
+  return CUDA_SUCCESS;
+}
+static CUresult drv_address_reserve(CUdeviceptr *p, size_t size, size_t align, CUdeviceptr addr,
+                                    unsigned long long flags) {
+  (void)align, (void)addr, (void)flags;
+  if (!next_reservation) next_reservation = (CUdeviceptr)1 << 46;
+  *p = next_reservation;
+  next_reservation += (size + VM_GRANULARITY - 1) & ~(VM_GRANULARITY - 1);
+  return CUDA_SUCCESS;
+}
+static CUresult drv_address_free(CUdeviceptr p, size_t size) {
+  (void)p, (void)size;
+  return CUDA_SUCCESS;
+}
+static CUresult drv_create(CUmemGenericAllocationHandle *h, size_t size,
+                           const CUmemAllocationProp *prop, unsigned long long flags) {
+  (void)prop, (void)flags;
+  if (size % VM_GRANULARITY) return CUDA_ERROR_INVALID_VALUE;
+  if (used_bytes + size > TOTAL_BYTES) return CUDA_ERROR_OUT_OF_MEMORY;
+  size_t *handle = malloc(sizeof *handle);
+  if (!handle) return CUDA_ERROR_OUT_OF_MEMORY;
+  *handle = size;
+  used_bytes += size;
+  *h = (CUmemGenericAllocationHandle)(uintptr_t)handle;
+  return CUDA_SUCCESS;
+}
+static CUresult drv_release(CUmemGenericAllocationHandle h) {
+  size_t *handle = (size_t *)(uintptr_t)h;
+  used_bytes -= *handle;
+  free(handle);
+  return CUDA_SUCCESS;
+}
+static CUresult drv_map(CUdeviceptr p, size_t size, size_t offset, CUmemGenericAllocationHandle h,
+                        unsigned long long flags) {
+  (void)p, (void)size, (void)offset, (void)h, (void)flags;
+  return CUDA_SUCCESS;
+}
+static CUresult drv_unmap(CUdeviceptr p, size_t size) {
+  (void)p, (void)size;
+  return CUDA_SUCCESS;
+}
+static CUresult drv_set_access(CUdeviceptr p, size_t size, const CUmemAccessDesc *d, size_t n) {
+  (void)p, (void)size, (void)d, (void)n;
+  return CUDA_SUCCESS;
+}
+static CUresult drv_granularity(size_t *g, const CUmemAllocationProp *prop,
+                                CUmemAllocationGranularity_flags option) {
+  (void)prop, (void)option;
+  *g = VM_GRANULARITY;
+  return CUDA_SUCCESS;
+}
+static CUresult drv_unsupported(void) { return CUDA_ERROR_NOT_SUPPORTED; }
+
+static const struct {
+  const char *name;
+  void *fn;
+} driver_functions[] = {
+    {"cuGetErrorString", (void *)drv_get_error_string},
+    {"cuDeviceGet", (void *)drv_device_get},
+    {"cuDeviceGetAttribute", (void *)drv_device_get_attribute},
+    {"cuMemAddressReserve", (void *)drv_address_reserve},
+    {"cuMemAddressFree", (void *)drv_address_free},
+    {"cuMemCreate", (void *)drv_create},
+    {"cuMemRelease", (void *)drv_release},
+    {"cuMemMap", (void *)drv_map},
+    {"cuMemUnmap", (void *)drv_unmap},
+    {"cuMemSetAccess", (void *)drv_set_access},
+    {"cuMemGetAllocationGranularity", (void *)drv_granularity},
+    // Fetched by PyTorch but not used when replaying allocations: they say so if called.
+    {"cuMemExportToShareableHandle", (void *)drv_unsupported},
+    {"cuMemImportFromShareableHandle", (void *)drv_unsupported},
+    {"cuMemRetainAllocationHandle", (void *)drv_unsupported},
+    {"cuMemGetAllocationPropertiesFromHandle", (void *)drv_unsupported},
+    {"cuMemsetD32Async", (void *)drv_unsupported},
+    {"cuStreamWriteValue32", (void *)drv_unsupported},
+};
+
 cudaError_t cudaGetDriverEntryPointByVersion(const char *symbol, void **fn, unsigned int version,
                                              unsigned long long flags,
                                              enum cudaDriverEntryPointQueryResult *status) {
-  (void)symbol, (void)version, (void)flags;
+  (void)version, (void)flags;
+  for (size_t i = 0; i < sizeof driver_functions / sizeof driver_functions[0]; i++) {
+    if (strcmp(symbol, driver_functions[i].name) == 0) {
+      *fn = driver_functions[i].fn;
+      if (status) *status = cudaDriverEntryPointSuccess;
+      return cudaSuccess;
+    }
+  }
   *fn = NULL;
   if (status) *status = cudaDriverEntryPointSymbolNotFound;
-  return cudaErrorNotSupported;
+  return cudaSuccess;
 }

@@ -180,12 +180,16 @@ pub fn write_ops(trace: &Path, dir: &Path) -> PathBuf {
     out
 }
 
-/// Runs the replay program over `ops` files for `rounds` rounds each; returns its status
-/// and output. tensoralloc's driver is the one the caller's environment selects, else the
-/// simulated device, with PyTorch's stand-in device's 80 GiB.
-pub fn replay(exe: &Path, ops: &[PathBuf], rounds: u32) -> (bool, String) {
+/// Runs the replay program over `ops` files for `rounds` rounds each, with the settings in
+/// `env` (neither allocator sees the caller's); returns its status and output. tensoralloc's
+/// driver is the one the caller's environment selects, else the simulated device, with
+/// PyTorch's stand-in device's 80 GiB.
+pub fn replay(exe: &Path, ops: &[PathBuf], rounds: u32, env: &[(&str, &str)]) -> (bool, String) {
     let mut cmd = Command::new(exe);
     cmd.args(ops).env("ROUNDS", rounds.to_string());
+    cmd.env_remove("PYTORCH_CUDA_ALLOC_CONF")
+        .env_remove("TENSORALLOC_CONF");
+    cmd.envs(env.iter().copied());
     if std::env::var_os("TENSORALLOC_DRIVER").is_none() {
         cmd.env("TENSORALLOC_DRIVER", "sim");
     }
@@ -199,4 +203,20 @@ pub fn replay(exe: &Path, ops: &[PathBuf], rounds: u32) -> (bool, String) {
         String::from_utf8_lossy(&out.stderr)
     );
     (out.status.success(), text)
+}
+
+/// The `peak NAME TORCH OURS` lines of a replay's output: per trace, PyTorch's and
+/// tensoralloc's peak reserved bytes.
+pub fn peaks(out: &str) -> Vec<(String, u64, u64)> {
+    out.lines()
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            match f.as_slice() {
+                ["peak", name, torch, ours] => {
+                    Some((name.to_string(), torch.parse().ok()?, ours.parse().ok()?))
+                }
+                _ => None,
+            }
+        })
+        .collect()
 }
