@@ -13,6 +13,8 @@
 #[allow(dead_code)] // the statistics test also uses the harness
 #[path = "../tests/pytorch_native/harness.rs"]
 mod harness;
+#[path = "../tests/support/mod.rs"]
+mod support;
 
 fn main() {
     // `cargo bench` passes `--bench`; a plain `cargo test --benches` run passes nothing and

@@ -6,6 +6,7 @@ use std::path::PathBuf;
 
 #[path = "pytorch_native/harness.rs"]
 mod harness;
+mod support;
 
 /// Builds the replay program and writes the traces' calls; removes them when dropped.
 struct Setup {

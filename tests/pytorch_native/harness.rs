@@ -2,18 +2,15 @@
 //! the pinned torch wheel, which `scripts/fetch-torch-headers` unpacks into `target/torch-lib`)
 //! on the stand-in runtime `fake_cudart.c`, next to tensoralloc's C functions, over the call
 //! lists of real snapshots. Shared by `tests/pytorch_allocator.rs` (statistics must agree)
-//! and `benches/pytorch_native.rs` (time per call of both).
+//! and `benches/pytorch_native.rs` (time per call of both); both include `tests/support`
+//! as `crate::support`.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use crate::support::{cc, fetched_dir as fetched, root, run};
 use tensoralloc::device::history::Action;
 use tensoralloc::replay::snapshot;
-
-/// The repository root.
-pub fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
 
 /// The directory holding the `libtensoralloc.so` that cargo built with the running test or
 /// bench (`target/<profile>/deps`; the copy one level up is only refreshed by `cargo build`).
@@ -26,36 +23,6 @@ pub fn lib_dir() -> PathBuf {
         dir.display()
     );
     dir
-}
-
-/// A fetched directory: `$var`, else `target/<default>`, which must hold `probe`.
-fn fetched(var: &str, default: &str, probe: &str, script: &str) -> PathBuf {
-    let dir = std::env::var_os(var)
-        .map(PathBuf::from)
-        .unwrap_or_else(|| root().join("target").join(default));
-    assert!(
-        dir.join(probe).exists(),
-        "{probe} is not in {}: run {script} (or set {var})",
-        dir.display()
-    );
-    dir
-}
-
-fn run(cmd: &mut Command, what: &str) -> String {
-    let out = cmd
-        .output()
-        .unwrap_or_else(|e| panic!("{what}: cannot start {cmd:?}: {e}"));
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(
-        out.status.success(),
-        "{what} failed ({}):\n{text}",
-        out.status
-    );
-    text
 }
 
 /// Builds the stand-in `libcudart.so.13` and the replay program in `dir`, linked against
@@ -81,9 +48,8 @@ pub fn build(dir: &Path, lib: &Path) -> PathBuf {
         "scripts/fetch-torch-headers",
     );
     std::fs::create_dir_all(dir).unwrap();
-    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
     run(
-        Command::new(cc)
+        Command::new(cc())
             .args(["-O2", "-shared", "-fPIC", "-Wall", "-Werror"])
             .arg("-I")
             .arg(&cuda)
