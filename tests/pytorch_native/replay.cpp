@@ -3,7 +3,8 @@
 // functions, in one process, alternating rounds.
 //
 // Usage: replay OPS_FILE...   (environment: ROUNDS, default 5; EXACT=0 skips the statistics
-// comparison, for tensoralloc settings that are not PyTorch's. Both allocators read their
+// comparison, for tensoralloc settings that are not PyTorch's; FRACTION sets both allocators'
+// memory fraction of device 0, as torch.cuda.set_per_process_memory_fraction does. Both read their
 // settings from the environment: PYTORCH_CUDA_ALLOC_CONF, and TENSORALLOC_CONF before it.)
 // An ops file (written by tests/support/pytorch_native.rs) holds `# events N`, then one line
 // per call: `a SLOT SIZE STREAM` allocates SIZE bytes on STREAM into SLOT, `f SLOT` frees it.
@@ -200,6 +201,10 @@ int main(int argc, char** argv) {
   const char* exact_env = std::getenv("EXACT");
   bool exact = !exact_env || std::string(exact_env) != "0";
   alloc::init(1);
+  if (const char* fraction = std::getenv("FRACTION")) {
+    alloc::setMemoryFraction(std::atof(fraction), 0);
+    tensoralloc_set_memory_fraction(std::atof(fraction), 0);
+  }
   std::printf("%-28s %7s %7s %10s %10s %10s %10s %6s %15s %15s\n", "trace", "events", "calls",
               "torch/call", "ours/call", "torch/evt", "ours/evt", "ratio", "torch peak res",
               "ours peak res");
