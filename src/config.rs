@@ -184,11 +184,13 @@ fn split_top_level(text: &str) -> Vec<&str> {
     items
 }
 
-/// Parses `roundup_power2_divisions`: one number for every size, or a list
-/// `[256:1,512:2,>:4]` whose keys are sizes in MiB (powers of two, increasing): as in PyTorch,
-/// a key's value covers the sizes below it down to the previous key (1 division below 256 MiB,
-/// 2 from 256 to 512 MiB), and `>` covers everything from the last key on. Values are 0, 1 or
-/// powers of two.
+/// Parses `roundup_power2_divisions`: one number for every size, or a list such as
+/// `[256:1,512:2,>:8]` read the way PyTorch reads it. A key is a size in MiB (a power of two)
+/// and names the interval that starts there (256: requests from 256 MiB up to 512 MiB); the
+/// first key's value also covers every smaller request, `>` covers every interval above the
+/// last key, and intervals the list skips keep no rounding. So `[256:1,512:2,>:8]` leaves
+/// requests below 512 MiB alone, cuts 512 MiB–1 GiB into 2 steps and larger ones into 8.
+/// Values are 0, 1 or powers of two.
 fn parse_divisions(value: &str) -> Result<[usize; ROUNDUP_INTERVALS]> {
     const KEY: &str = "roundup_power2_divisions";
     let check = |n: usize| -> Result<usize> {
@@ -207,19 +209,18 @@ fn parse_divisions(value: &str) -> Result<[usize; ROUNDUP_INTERVALS]> {
         bad(
             KEY,
             value,
-            "a number or a bracketed list such as [256:1,512:2,>:4]",
+            "a number or a bracketed list such as [256:1,512:2,>:8]",
         )
     })?;
     let mut out = [0; ROUNDUP_INTERVALS];
-    let mut filled = 0;
+    let (mut last, mut first) = (0, true);
     for entry in list.split(',').map(str::trim).filter(|e| !e.is_empty()) {
         let (k, v) = entry
             .split_once(':')
             .ok_or_else(|| bad(KEY, entry, "`MiB:divisions` or `>:divisions`"))?;
         let n = check(parse_number(KEY, v.trim())?)?;
         if k.trim() == ">" {
-            out[filled..].fill(n);
-            filled = ROUNDUP_INTERVALS;
+            out[(last + 1).min(ROUNDUP_INTERVALS)..].fill(n);
             continue;
         }
         let mb: usize = parse_number(KEY, k.trim())?;
@@ -228,15 +229,13 @@ fn parse_divisions(value: &str) -> Result<[usize; ROUNDUP_INTERVALS]> {
                 "{KEY}: the key {mb} is not a power of two (MiB)"
             )));
         }
-        // Intervals below `mb` MiB: interval i holds sizes from 2^i MiB (0: all below 2 MiB).
-        let end = (mb.trailing_zeros() as usize).clamp(1, ROUNDUP_INTERVALS);
-        if end <= filled {
-            return Err(Error::Config(format!(
-                "{KEY}: keys must increase ({mb} MiB comes too late)"
-            )));
+        let at = (mb.trailing_zeros() as usize).min(ROUNDUP_INTERVALS - 1);
+        if first {
+            out[..at].fill(n);
+            first = false;
         }
-        out[filled..end].fill(n);
-        filled = end;
+        out[at] = n;
+        last = at;
     }
     Ok(out)
 }
@@ -330,13 +329,19 @@ mod tests {
         let c = Config::parse("max_split_size_mb:100,roundup_power2_divisions:[256:1,512:2,>:8],garbage_collection_threshold:0.5").unwrap();
         assert_eq!(c.max_split_size, 100 << 20);
         assert_eq!(c.garbage_collection_threshold, 0.5);
+        // PyTorch's reading: a key names the interval starting there.
         assert_eq!(c.divisions_for(3 << 20), 1, "below the first key");
-        assert_eq!(c.divisions_for(300 << 20), 2);
-        assert_eq!(c.divisions_for(600 << 20), 8);
+        assert_eq!(c.divisions_for(300 << 20), 1, "256 MiB up to 512 MiB");
+        assert_eq!(c.divisions_for(600 << 20), 2, "512 MiB up to 1 GiB");
+        assert_eq!(c.divisions_for(1200 << 20), 8, "above the last key");
         assert_eq!(c.divisions_for(1 << 36), 8);
+        let c = Config::parse("roundup_power2_divisions:[64:2,256:4]").unwrap();
+        assert_eq!(c.divisions_for(100 << 20), 2, "64 MiB up to 128 MiB");
+        assert_eq!(c.divisions_for(200 << 20), 0, "a skipped interval keeps no rounding");
+        assert_eq!(c.divisions_for(300 << 20), 4);
+        assert_eq!(c.divisions_for(600 << 20), 0, "nothing above the last key without `>`");
         assert!(Config::parse("roundup_power2_divisions:3").is_err());
         assert!(Config::parse("roundup_power2_divisions:[300:2]").is_err());
-        assert!(Config::parse("roundup_power2_divisions:[512:2,256:1]").is_err());
         assert!(Config::parse("roundup_power2_divisions:[256:2").is_err());
     }
 
