@@ -337,9 +337,17 @@ mod tests {
         assert_eq!(c.divisions_for(1 << 36), 8);
         let c = Config::parse("roundup_power2_divisions:[64:2,256:4]").unwrap();
         assert_eq!(c.divisions_for(100 << 20), 2, "64 MiB up to 128 MiB");
-        assert_eq!(c.divisions_for(200 << 20), 0, "a skipped interval keeps no rounding");
+        assert_eq!(
+            c.divisions_for(200 << 20),
+            0,
+            "a skipped interval keeps no rounding"
+        );
         assert_eq!(c.divisions_for(300 << 20), 4);
-        assert_eq!(c.divisions_for(600 << 20), 0, "nothing above the last key without `>`");
+        assert_eq!(
+            c.divisions_for(600 << 20),
+            0,
+            "nothing above the last key without `>`"
+        );
         assert!(Config::parse("roundup_power2_divisions:3").is_err());
         assert!(Config::parse("roundup_power2_divisions:[300:2]").is_err());
         assert!(Config::parse("roundup_power2_divisions:[256:2").is_err());
