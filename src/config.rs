@@ -13,6 +13,9 @@ pub struct Config {
     /// Fraction of device capacity above which unused cached blocks are reclaimed before
     /// asking the driver for more (PyTorch's `garbage_collection_threshold`); 0 disables it.
     pub garbage_collection_threshold: f64,
+    /// PyTorch's `per_process_memory_fraction`: below 1.0, each device starts with this memory
+    /// fraction set, as if `set_per_process_memory_fraction` had been called.
+    pub per_process_memory_fraction: f64,
     /// Pin host memory by registering ordinary pages (`cuMemHostRegister`) instead of
     /// allocating pinned memory from the driver.
     pub pinned_use_host_register: bool,
@@ -52,6 +55,7 @@ impl Default for Config {
         Config {
             max_split_size: usize::MAX,
             garbage_collection_threshold: 0.0,
+            per_process_memory_fraction: 1.0,
             pinned_use_host_register: false,
             pinned_num_register_threads: 1,
             pinned_round_power2: true,
@@ -122,6 +126,15 @@ impl Config {
                     }
                     c.pinned_num_register_threads = n;
                 }
+                "per_process_memory_fraction" => {
+                    let f: f64 = value.parse().map_err(|_| bad(key, value, "a number"))?;
+                    if !(0.0..=1.0).contains(&f) {
+                        return Err(Error::Config(format!(
+                            "per_process_memory_fraction must be between 0.0 and 1.0, got {value}"
+                        )));
+                    }
+                    c.per_process_memory_fraction = f;
+                }
                 "expandable_segments" => c.expandable_segments = parse_bool(key, value)?,
                 "policy" => {
                     c.policy = match value {
@@ -143,7 +156,8 @@ impl Config {
                     return Err(Error::Config(format!(
                         "unknown option `{key}` (known: max_split_size_mb, garbage_collection_threshold, \
                          pinned_use_cuda_host_register, pinned_num_register_threads, expandable_segments, \
-                         policy, roundup_power2_divisions, backend, release_lock_on_cudamalloc)"
+                         policy, roundup_power2_divisions, per_process_memory_fraction, backend, \
+                         release_lock_on_cudamalloc)"
                     )))
                 }
             }
@@ -351,6 +365,15 @@ mod tests {
         assert!(Config::parse("roundup_power2_divisions:3").is_err());
         assert!(Config::parse("roundup_power2_divisions:[300:2]").is_err());
         assert!(Config::parse("roundup_power2_divisions:[256:2").is_err());
+    }
+
+    #[test]
+    fn per_process_memory_fraction_parses_between_0_and_1() {
+        assert_eq!(Config::default().per_process_memory_fraction, 1.0);
+        let c = Config::parse("per_process_memory_fraction:0.25").unwrap();
+        assert_eq!(c.per_process_memory_fraction, 0.25);
+        assert!(Config::parse("per_process_memory_fraction:1.5").is_err());
+        assert!(Config::parse("per_process_memory_fraction:half").is_err());
     }
 
     #[test]

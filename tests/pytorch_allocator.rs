@@ -49,7 +49,8 @@ fn default_policy_statistics_equal_pytorchs_on_real_traces() {
 }
 
 /// PyTorch's settings give PyTorch's results too: `max_split_size_mb`, both forms of
-/// `roundup_power2_divisions`, and `garbage_collection_threshold` with a memory fraction,
+/// `roundup_power2_divisions`, and `garbage_collection_threshold` with a memory fraction (set
+/// by call or by `per_process_memory_fraction`),
 /// including fractions too small for the traces, where both fail the same requests.
 #[test]
 fn settings_and_memory_fractions_give_pytorchs_statistics() {
@@ -66,6 +67,15 @@ fn settings_and_memory_fractions_give_pytorchs_statistics() {
         (
             "max_split_size_mb:300,roundup_power2_divisions:[64:2,256:4]",
             Some("0.05"),
+        ),
+        (
+            "per_process_memory_fraction:0.25,garbage_collection_threshold:0.5",
+            None,
+        ),
+        // A fraction of 1.0 sets none: collection stays off, as in PyTorch.
+        (
+            "per_process_memory_fraction:1.0,garbage_collection_threshold:0.1",
+            None,
         ),
     ] {
         let mut env = vec![("PYTORCH_CUDA_ALLOC_CONF", conf)];

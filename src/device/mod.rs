@@ -186,7 +186,7 @@ impl DeviceAllocator {
             )));
         }
         let layout = policy::layout(&*driver, device, config);
-        Ok(DeviceAllocator {
+        let a = DeviceAllocator {
             layout,
             policy: config.policy,
             device,
@@ -203,7 +203,11 @@ impl DeviceAllocator {
             graph: GraphPools::default(),
             limit: MemoryLimit::default(),
             pair_memo: true,
-        })
+        };
+        if config.per_process_memory_fraction < 1.0 {
+            a.set_memory_fraction(config.per_process_memory_fraction)?;
+        }
+        Ok(a)
     }
 
     /// Turns the replay of cached malloc+free pairs off or on (on by default). Replaying
