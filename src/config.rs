@@ -143,8 +143,15 @@ impl Config {
                         _ => return Err(bad(key, value, "`pytorch` or `compact`")),
                     }
                 }
-                "release_lock_on_cudamalloc" | "pinned_use_background_threads" => {
+                "release_lock_on_cudamalloc"
+                | "release_lock_on_hipmalloc"
+                | "pinned_use_background_threads"
+                | "pinned_use_hip_host_register"
+                | "graph_capture_record_stream_reuse" => {
                     parse_bool(key, value)?;
+                }
+                "pinned_reserve_segment_size_mb" => {
+                    parse_number::<usize>(key, value)?;
                 }
                 "backend" => {
                     if value != "native" && value != "cudaMallocAsync" {
@@ -157,7 +164,8 @@ impl Config {
                         "unknown option `{key}` (known: max_split_size_mb, garbage_collection_threshold, \
                          pinned_use_cuda_host_register, pinned_num_register_threads, expandable_segments, \
                          policy, roundup_power2_divisions, per_process_memory_fraction, backend, \
-                         release_lock_on_cudamalloc)"
+                         release_lock_on_cudamalloc, pinned_use_background_threads, \
+                         graph_capture_record_stream_reuse, pinned_reserve_segment_size_mb)"
                     )))
                 }
             }
@@ -365,6 +373,21 @@ mod tests {
         assert!(Config::parse("roundup_power2_divisions:3").is_err());
         assert!(Config::parse("roundup_power2_divisions:[300:2]").is_err());
         assert!(Config::parse("roundup_power2_divisions:[256:2").is_err());
+    }
+
+    /// Every key PyTorch 2.11 reads is accepted, so a PYTORCH_CUDA_ALLOC_CONF written for it
+    /// configures tensoralloc too.
+    #[test]
+    fn pytorchs_other_keys_are_accepted_and_validated() {
+        let c = Config::parse(
+            "release_lock_on_cudamalloc:True,release_lock_on_hipmalloc:False,\
+             pinned_use_background_threads:True,pinned_use_hip_host_register:False,\
+             graph_capture_record_stream_reuse:True,pinned_reserve_segment_size_mb:64,backend:native",
+        )
+        .unwrap();
+        assert_eq!(c, Config::default());
+        assert!(Config::parse("graph_capture_record_stream_reuse:maybe").is_err());
+        assert!(Config::parse("pinned_reserve_segment_size_mb:lots").is_err());
     }
 
     #[test]
