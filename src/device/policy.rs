@@ -90,7 +90,7 @@ impl DeviceAllocator {
         // A growth changes several statistics, each of which may pass its limit (reserved
         // bytes above all when they come from other streams' pages): they are only marked
         // here and settled once below, rather than once per statistic.
-        let mut report = Report::default();
+        let mut report = Report::new(self.history().on());
         let grown = inner.grow(
             &*self.driver,
             self.device,
@@ -151,14 +151,17 @@ impl DeviceAllocator {
         if self.free_mapped(shard) > 0 {
             self.wait_for_stream(shard)?;
         }
-        let report = inner.unmap_free(
+        let mut report = Report::new(self.history().on());
+        let unmapped = inner.unmap_free(
             &*self.driver,
             self.device,
             Reclaim::All,
             goal,
             &mut self.sink(shard),
-        )?;
+            &mut report,
+        );
         self.count(shard, &report);
+        unmapped?;
         for base in inner.free_empty_ranges(&*self.driver, self.device)? {
             self.segments.write().remove(&base);
         }
@@ -195,7 +198,9 @@ impl DeviceAllocator {
             if got >= need {
                 break;
             }
-            if other.index == shard.index {
+            // Read without the other shard's lock: a stale look only skips a shard or
+            // locks one for nothing (checked again under its lock).
+            if other.index == shard.index || self.free_mapped(other) < MIN_RECLAIM {
                 continue;
             }
             if let Some(mut o) = other.inner.try_lock() {
@@ -216,26 +221,24 @@ impl DeviceAllocator {
         // Settling peaks now would lock every shard, the growing one included when this is
         // another stream's: overdrafts are only marked, and settled after the growth.
         let mut marks = MarkOnly(&shard.stats);
+        let mut report = Report::new(self.history().on());
         let unmapped = inner.unmap_free(
             &*self.driver,
             self.device,
             Reclaim::Idle { keep },
             goal,
             &mut marks,
+            &mut report,
         );
-        match unmapped {
-            Ok(report) => {
-                self.count(shard, &report);
-                report.bytes
-            }
-            Err(e) => {
-                eprintln!(
-                    "tensoralloc: device {}: could not unmap idle pages ({e}); keeping them",
-                    self.device
-                );
-                0
-            }
+        // What was unmapped before an error stays unmapped: count it either way.
+        self.count(shard, &report);
+        if let Err(e) = unmapped {
+            eprintln!(
+                "tensoralloc: device {}: could not unmap idle pages ({e}); keeping them",
+                self.device
+            );
         }
+        report.bytes
     }
 
     /// Advances what is known idle on `shard`'s stream: collects its batch event if it has
