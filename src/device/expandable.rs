@@ -487,12 +487,21 @@ impl ShardInner {
                         Reclaim::All => true,
                         Reclaim::Idle { keep } => k.2 != keep && b.freed_at <= self.exp.idle_upto,
                     };
-                if eligible {
+                if eligible && self.holds_a_page(k.2) {
                     self.unmap_block(driver, device, k.2, stats, report)?;
                 }
             }
         }
         Ok(())
+    }
+
+    /// Whether block `id` of an expandable segment covers a whole page (else it holds no
+    /// whole physical allocation, and [`ShardInner::unmap_block`] has nothing to do).
+    fn holds_a_page(&self, id: u32) -> bool {
+        let b = &self.blocks[id as usize];
+        let seg = &self.exp.segments[b.exp as usize];
+        let first = seg.base + (b.addr - seg.base).next_multiple_of(seg.page);
+        first + seg.page <= b.addr + b.size
     }
 
     /// Unmaps the physical allocations that lie wholly inside free block `id`.

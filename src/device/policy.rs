@@ -89,7 +89,8 @@ impl DeviceAllocator {
         }
         // A growth changes several statistics, each of which may pass its limit (reserved
         // bytes above all when they come from other streams' pages): they are only marked
-        // here and settled once below, rather than once per statistic.
+        // here, and settled once with the allocation the growth is for (exact: a marked
+        // statistic keeps its highest value until settled), or below if the growth fails.
         let mut report = Report::new(self.history().on());
         let grown = inner.grow(
             &*self.driver,
@@ -104,7 +105,9 @@ impl DeviceAllocator {
             self.segments.write().insert(base, (size, shard.index));
         }
         self.count(shard, &report);
-        self.settle_marked(shard);
+        if grown.is_err() {
+            self.settle_marked(shard);
+        }
         grown
     }
 
