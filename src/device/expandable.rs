@@ -76,6 +76,8 @@ pub(crate) struct ExpState {
     /// that growing and unmapping allocate nothing once warm.
     made: Vec<PhysHandle>,
     unmaps: Vec<(usize, usize, PhysHandle)>,
+    /// Reused buffer of [`Report::spare`].
+    pub spare: Vec<(usize, PhysHandle)>,
 }
 
 /// A pool's unmapped blocks as (address, block), sorted by address. A shard has a few dozen
@@ -112,6 +114,12 @@ pub(crate) struct Report {
     /// when `record` is set (for the memory history).
     pub ranges: Vec<(bool, usize, usize)>,
     pub record: bool,
+    /// Whether unmapping keeps the physical allocations, in `spare`, rather than releasing
+    /// them.
+    pub keep: bool,
+    /// Physical allocations unmapped and kept, as (bytes, handle): a growth maps these before
+    /// creating any; the caller releases what is left.
+    pub spare: Vec<(usize, PhysHandle)>,
 }
 
 impl Report {
@@ -426,12 +434,60 @@ impl ShardInner {
         let chunk = page
             .saturating_mul(layout.max_handle_pages.max(1))
             .min(want);
+        // Kept allocations of the chunk size go first, new ones fill the rest.
+        let kept = if report.spare.first().is_some_and(|&(l, _)| l == chunk) {
+            report
+                .spare
+                .iter()
+                .rev()
+                .take_while(|&&(l, _)| l == chunk)
+                .count()
+                .min(want / chunk)
+        } else {
+            0
+        };
+        let head = kept * chunk;
         let mut made = std::mem::take(&mut self.exp.made);
         made.clear();
-        let mapped = driver.vmm_map_many(device, addr, want, chunk, &mut made);
-        if let Err(e) = mapped {
-            self.exp.made = made;
-            return Err(e);
+        if head < want {
+            let mut mapped =
+                driver.vmm_map_many(device, addr + head, want - head, chunk, &mut made);
+            let surplus = report.spare.len() - kept;
+            if matches!(mapped, Err(Error::OutOfMemory(_))) && surplus > 0 {
+                // Kept allocations this growth cannot use still hold device memory: give
+                // them back and try again.
+                for (_, h) in report.spare.drain(..surplus) {
+                    let _ = driver.vmm_release(device, h);
+                }
+                mapped = driver.vmm_map_many(device, addr + head, want - head, chunk, &mut made);
+            }
+            if let Err(e) = mapped {
+                self.exp.made = made;
+                return Err(e);
+            }
+        }
+        let from = report.spare.len() - kept;
+        let moved = kept > 0
+            && driver
+                .vmm_map_kept(device, addr, &report.spare[from..])
+                .is_ok();
+        if kept > 0 && !moved {
+            // The kept allocations stay spare; create the head's instead.
+            let mut fresh = Vec::with_capacity(kept);
+            if let Err(e) = driver.vmm_map_many(device, addr, head, chunk, &mut fresh) {
+                let tail: Vec<_> = made
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &h)| {
+                        let at = addr + head + i * chunk;
+                        (at, chunk.min(addr + want - at), h)
+                    })
+                    .collect();
+                let _ = driver.vmm_unmap_many(device, &tail);
+                self.exp.made = made;
+                return Err(e);
+            }
+            made.splice(0..0, fresh);
         }
         let seg = &mut self.exp.segments[exp];
         let first = (addr - seg.base) / page;
@@ -440,6 +496,12 @@ impl ShardInner {
             seg.handles.resize(end, None);
         }
         let mut at = addr;
+        if moved {
+            for (len, h) in report.spare.drain(from..) {
+                seg.handles[(at - seg.base) / page] = Some((len, h));
+                at += len;
+            }
+        }
         for &h in &made {
             let len = chunk.min(addr + want - at);
             seg.handles[(at - seg.base) / page] = Some((len, h));
@@ -540,8 +602,15 @@ impl ShardInner {
             return Ok(());
         };
         let hi = last + last_len;
-        let unmapped = driver.vmm_unmap_many(device, &inside);
+        let unmapped = if report.keep {
+            driver.vmm_unmap_keep(device, &inside)
+        } else {
+            driver.vmm_unmap_many(device, &inside)
+        };
         if unmapped.is_ok() {
+            if report.keep {
+                report.spare.extend(inside.iter().map(|&(_, l, h)| (l, h)));
+            }
             let seg = &mut self.exp.segments[exp];
             for &(a, _, _) in &inside {
                 seg.handles[(a - seg.base) / seg.page] = None;
