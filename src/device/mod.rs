@@ -118,13 +118,6 @@ impl StatSink for OpSink<'_> {
             self.over = true;
         }
     }
-
-    #[inline(always)]
-    fn down_up(&mut self, index: usize, down: i64, up: i64) {
-        if self.shard.stats.down_up(index, down, up) {
-            self.over = true;
-        }
-    }
 }
 
 impl Drop for OpSink<'_> {
