@@ -200,6 +200,20 @@ fn check(code: CUresult, call: &str) -> Result<()> {
     }
 }
 
+/// Makes `[addr, addr + size)`, just mapped for `prop`'s device, readable and writable by
+/// it with one `cuMemSetAccess`. The caller runs in the device's context.
+fn set_access(prop: &sys::CUmemAllocationProp, addr: usize, size: usize) -> Result<()> {
+    let desc = sys::CUmemAccessDesc {
+        location: prop.location,
+        flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+    };
+    // SAFETY: one valid access descriptor; the driver validates the range.
+    check(
+        unsafe { sys::cuMemSetAccess(addr as sys::CUdeviceptr, size, &desc, 1) },
+        &format!("cuMemSetAccess({addr:#x}, {size})"),
+    )
+}
+
 /// Pops the context that [`CudaDriver::in_context`] pushed, also when the body unwinds.
 struct PopOnDrop;
 
@@ -822,17 +836,8 @@ impl Driver for CudaDriver {
                 handles.push(PhysHandle(h));
                 at += len;
             }
-            let desc = sys::CUmemAccessDesc {
-                location: prop.location,
-                flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-            };
             // One access call covers every mapping of the range.
-            // SAFETY: one valid access descriptor for the range just mapped.
-            let access = check(
-                unsafe { sys::cuMemSetAccess(addr as sys::CUdeviceptr, size, &desc, 1) },
-                &format!("cuMemSetAccess({addr:#x}, {size})"),
-            );
-            access.map_err(|e| undo(handles, e))
+            set_access(&prop, addr, size).map_err(|e| undo(handles, e))
         })
     }
 
@@ -889,16 +894,7 @@ impl Driver for CudaDriver {
                 }
                 at += len;
             }
-            let desc = sys::CUmemAccessDesc {
-                location: prop.location,
-                flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-            };
-            // SAFETY: one valid access descriptor for the range just mapped.
-            let access = check(
-                unsafe { sys::cuMemSetAccess(addr as sys::CUdeviceptr, size, &desc, 1) },
-                &format!("cuMemSetAccess({addr:#x}, {size})"),
-            );
-            access.map_err(|e| undo(addr + size, e))
+            set_access(&prop, addr, size).map_err(|e| undo(addr + size, e))
         })
     }
 

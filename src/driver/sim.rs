@@ -163,6 +163,29 @@ struct Run {
 }
 
 impl VmmState {
+    /// Whether `[addr, addr + size)` lies inside one reserved range.
+    fn reserved(&self, addr: u64, size: u64) -> bool {
+        self.ranges
+            .range(..=addr)
+            .next_back()
+            .is_some_and(|(&s, &l)| addr + size <= s + l)
+    }
+
+    /// Refuses a range any part of which is mapped.
+    fn check_unmapped(&self, addr: u64, size: u64) -> Result<()> {
+        let overlaps = self
+            .by_addr
+            .range(..addr + size)
+            .next_back()
+            .is_some_and(|(_, run)| run.end > addr);
+        if overlaps {
+            return Err(Error::Driver(format!(
+                "CUDA_ERROR_INVALID_VALUE: [{addr:#x}, +{size}) is already mapped"
+            )));
+        }
+        Ok(())
+    }
+
     /// Unmaps the longest prefix of `maps` whose entries are consecutive allocations of one
     /// run, keeping the allocations around them. Returns how many it unmapped: 0 when the
     /// first entry is not exactly an allocation of some run.
@@ -402,12 +425,7 @@ impl SimDevice {
         let (addr, size, handle) = (addr as u64, size as u64, handle as u64);
         let g = SIM_GRANULARITY as u64;
         let mut st = self.state.lock();
-        let inside = st
-            .vmm
-            .ranges
-            .range(..=addr)
-            .next_back()
-            .is_some_and(|(&s, &l)| addr + size <= s + l);
+        let inside = st.vmm.reserved(addr, size);
         if size == 0
             || handle == 0
             || !addr.is_multiple_of(g)
@@ -419,17 +437,7 @@ impl SimDevice {
                 "CUDA_ERROR_INVALID_VALUE: cannot map [{addr:#x}, +{size}): not a granularity-aligned part of a reserved range"
             )));
         }
-        let overlaps = st
-            .vmm
-            .by_addr
-            .range(..addr + size)
-            .next_back()
-            .is_some_and(|(_, run)| run.end > addr);
-        if overlaps {
-            return Err(Error::Driver(format!(
-                "CUDA_ERROR_INVALID_VALUE: [{addr:#x}, +{size}) is already mapped"
-            )));
-        }
+        st.vmm.check_unmapped(addr, size)?;
         if st.used + size > self.capacity {
             return Err(Error::OutOfMemory(format!(
                 "simulated device has {} bytes free of {}, {size} requested",
@@ -437,22 +445,7 @@ impl SimDevice {
                 self.capacity
             )));
         }
-        if self.backed {
-            // SAFETY: the range lies inside our own PROT_NONE reservation (checked above).
-            let r = unsafe {
-                libc::mprotect(
-                    addr as *mut libc::c_void,
-                    size as usize,
-                    libc::PROT_READ | libc::PROT_WRITE,
-                )
-            };
-            if r != 0 {
-                return Err(Error::Driver(format!(
-                    "simulated device: cannot map pages: {}",
-                    std::io::Error::last_os_error()
-                )));
-            }
-        }
+        self.make_accessible(addr, size)?;
         st.used += size;
         let first = st.vmm.next_handle + 1;
         let count = size.div_ceil(handle);
@@ -506,6 +499,28 @@ impl SimDevice {
 }
 
 impl SimDevice {
+    /// Makes `[addr, addr + size)`, inside one of this device's reservations (checked by the
+    /// caller), readable and writable.
+    fn make_accessible(&self, addr: u64, size: u64) -> Result<()> {
+        if self.backed {
+            // SAFETY: the range lies inside our own PROT_NONE reservation.
+            let r = unsafe {
+                libc::mprotect(
+                    addr as *mut libc::c_void,
+                    size as usize,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                )
+            };
+            if r != 0 {
+                return Err(Error::Driver(format!(
+                    "simulated device: cannot map pages: {}",
+                    std::io::Error::last_os_error()
+                )));
+            }
+        }
+        Ok(())
+    }
+
     /// Maps kept allocations back to back from `addr`; all or nothing. The simulated device
     /// does not carry their contents along.
     fn vmm_map_kept(&self, addr: usize, maps: &[(usize, PhysHandle)]) -> Result<()> {
@@ -513,12 +528,7 @@ impl SimDevice {
         let addr = addr as u64;
         let size: u64 = maps.iter().map(|&(l, _)| l as u64).sum();
         let mut st = self.state.lock();
-        let inside = st
-            .vmm
-            .ranges
-            .range(..=addr)
-            .next_back()
-            .is_some_and(|(&s, &l)| addr + size <= s + l);
+        let inside = st.vmm.reserved(addr, size);
         // Usually the allocations kept last, in order (an unmapping, then the growth that maps
         // them again): then they are found without a search.
         let is_tail = st.vmm.kept.len() >= maps.len()
@@ -535,33 +545,8 @@ impl SimDevice {
                 "CUDA_ERROR_INVALID_VALUE: cannot map kept allocations at [{addr:#x}, +{size}): not kept allocations mapped into a granularity-aligned part of a reserved range"
             )));
         }
-        let overlaps = st
-            .vmm
-            .by_addr
-            .range(..addr + size)
-            .next_back()
-            .is_some_and(|(_, run)| run.end > addr);
-        if overlaps {
-            return Err(Error::Driver(format!(
-                "CUDA_ERROR_INVALID_VALUE: [{addr:#x}, +{size}) is already mapped"
-            )));
-        }
-        if self.backed {
-            // SAFETY: the range lies inside our own PROT_NONE reservation (checked above).
-            let r = unsafe {
-                libc::mprotect(
-                    addr as *mut libc::c_void,
-                    size as usize,
-                    libc::PROT_READ | libc::PROT_WRITE,
-                )
-            };
-            if r != 0 {
-                return Err(Error::Driver(format!(
-                    "simulated device: cannot map pages: {}",
-                    std::io::Error::last_os_error()
-                )));
-            }
-        }
+        st.vmm.check_unmapped(addr, size)?;
+        self.make_accessible(addr, size)?;
         if is_tail {
             let left = st.vmm.kept.len() - maps.len();
             st.vmm.kept.truncate(left);
@@ -770,6 +755,23 @@ impl SimDriver {
                 .map(|(&a, r)| r.end - a)
                 .sum()
         })
+    }
+
+    /// Unmaps `maps`, keeping their allocations with `keep`, and counts them.
+    fn unmap_counted(
+        &self,
+        device: usize,
+        maps: &[(usize, usize, PhysHandle)],
+        keep: bool,
+    ) -> Result<()> {
+        self.vmm_device(device)?.vmm_unmap_many(maps, keep)?;
+        let counter = if keep {
+            &self.counters.vmm_unmap_keep
+        } else {
+            &self.counters.vmm_unmap
+        };
+        counter.fetch_add(maps.len() as u64, Ordering::Relaxed);
+        Ok(())
     }
 
     fn vmm_device(&self, device: usize) -> Result<&SimDevice> {
@@ -1028,19 +1030,11 @@ impl Driver for SimDriver {
     }
 
     fn vmm_unmap_many(&self, device: usize, maps: &[(usize, usize, PhysHandle)]) -> Result<()> {
-        self.vmm_device(device)?.vmm_unmap_many(maps, false)?;
-        self.counters
-            .vmm_unmap
-            .fetch_add(maps.len() as u64, Ordering::Relaxed);
-        Ok(())
+        self.unmap_counted(device, maps, false)
     }
 
     fn vmm_unmap_keep(&self, device: usize, maps: &[(usize, usize, PhysHandle)]) -> Result<()> {
-        self.vmm_device(device)?.vmm_unmap_many(maps, true)?;
-        self.counters
-            .vmm_unmap_keep
-            .fetch_add(maps.len() as u64, Ordering::Relaxed);
-        Ok(())
+        self.unmap_counted(device, maps, true)
     }
 
     fn vmm_map_kept(&self, device: usize, addr: usize, maps: &[(usize, PhysHandle)]) -> Result<()> {
