@@ -456,7 +456,7 @@ impl ShardInner {
             if matches!(mapped, Err(Error::OutOfMemory(_))) && surplus > 0 {
                 // Kept allocations this growth cannot use still hold device memory: give
                 // them back and try again.
-                for (_, h) in report.spare.drain(..surplus) {
+                for (_, h) in report.spare.drain(..surplus).rev() {
                     let _ = driver.vmm_release(device, h);
                 }
                 mapped = driver.vmm_map_many(device, addr + head, want - head, chunk, &mut made);

@@ -108,8 +108,8 @@ impl DeviceAllocator {
             self.segments.write().insert(base, (size, shard.index));
         }
         self.count(shard, &report);
-        // Kept allocations the growth did not need go back to the driver.
-        for (_, handle) in report.spare.drain(..) {
+        // Kept allocations the growth did not need go back to the driver, newest first.
+        for (_, handle) in report.spare.drain(..).rev() {
             if let Err(e) = self.driver.vmm_release(self.device, handle) {
                 eprintln!(
                     "tensoralloc: device {}: could not release an unmapped page ({e})",

@@ -581,7 +581,8 @@ impl SimDevice {
 
     fn vmm_release(&self, handle: PhysHandle) -> Result<()> {
         let mut st = self.state.lock();
-        let found = st.vmm.kept.iter().position(|&(h, _)| h == handle.0);
+        // Callers release the allocations they kept last first: search from the end.
+        let found = st.vmm.kept.iter().rposition(|&(h, _)| h == handle.0);
         let Some((_, size)) = found.map(|i| st.vmm.kept.remove(i)) else {
             return Err(Error::Driver(format!(
                 "CUDA_ERROR_INVALID_VALUE: handle {} is not a kept allocation",
