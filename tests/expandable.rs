@@ -592,6 +592,7 @@ fn the_garbage_collection_threshold_unmaps_free_pages_before_growing_past_it() {
         1 << 30,
         "expandable_segments:True,garbage_collection_threshold:0.5",
     );
+    a.set_memory_fraction(1.0).unwrap();
     let s = unique_stream();
     let p = a.malloc(300 * MIB, s).unwrap();
     let q = a.malloc(20 * MIB, s).unwrap();
