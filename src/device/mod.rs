@@ -407,14 +407,19 @@ impl DeviceAllocator {
                     Err(e) => return Err(e),
                 },
             };
+            let mut sink = self.op_sink(shard);
+            // A growth of an expandable segment leaves what it passed marked, for this one
+            // settle of the growth and the allocation together.
+            sink.over = !from_index && shard.stats.is_over();
             let addr = inner.allocate(
                 id,
                 rounded,
                 size,
                 self.max_split_size,
                 from_index,
-                &mut self.op_sink(shard),
+                &mut sink,
             );
+            drop(sink);
             self.note(Action::Alloc, addr, size, stream);
             return Ok(addr);
         }
