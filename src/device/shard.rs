@@ -94,22 +94,6 @@ pub(crate) trait StatSink {
         self.change(aggregate(kind), delta);
         self.change(of_pool(kind, pool), delta);
     }
-
-    /// A decrease by `down` then an increase by `up` of statistic `index`, as one change
-    /// where the sink can make it so (the current value never passes the final one, so
-    /// the peak is the same; `up` still counts as allocated).
-    #[inline(always)]
-    fn down_up(&mut self, index: usize, down: i64, up: i64) {
-        self.change(index, -down);
-        self.change(index, up);
-    }
-
-    /// [`StatSink::down_up`] of a kind's aggregate and pool statistics.
-    #[inline(always)]
-    fn both_down_up(&mut self, kind: StatKind, pool: PoolKind, down: i64, up: i64) {
-        self.down_up(aggregate(kind), down, up);
-        self.down_up(of_pool(kind, pool), down, up);
-    }
 }
 
 /// How a block taken from a free index was (or will be) handed out: the block as it was in
@@ -161,10 +145,8 @@ impl Memo {
         let pool = self.pool;
         let rest = (self.size - self.rounded) as i64;
         match (self.was_split, self.split) {
-            (true, true) => {
-                stats.both_down_up(StatKind::InactiveSplit, pool, 1, 1);
-                stats.both_down_up(StatKind::InactiveSplitBytes, pool, self.size as i64, rest);
-            }
+            // An inactive split block shrinks by what is handed out; it stays one block.
+            (true, true) => stats.both(StatKind::InactiveSplitBytes, pool, -(self.rounded as i64)),
             (true, false) => {
                 stats.both(StatKind::InactiveSplit, pool, -1);
                 stats.both(StatKind::InactiveSplitBytes, pool, -(self.size as i64));
@@ -196,10 +178,9 @@ impl Memo {
         deactivation_stats(pool, given, stats);
         let rest = (self.size - self.rounded) as i64;
         match (self.split, self.was_split) {
-            (true, true) => {
-                stats.both_down_up(StatKind::InactiveSplit, pool, 1, 1);
-                stats.both_down_up(StatKind::InactiveSplitBytes, pool, rest, self.size as i64);
-            }
+            // Merging the rest back: one inactive split block before and after, grown by
+            // the block (the net change, as `release` makes it).
+            (true, true) => stats.both(StatKind::InactiveSplitBytes, pool, self.rounded as i64),
             (true, false) => {
                 stats.both(StatKind::InactiveSplit, pool, -1);
                 stats.both(StatKind::InactiveSplitBytes, pool, -rest);
@@ -638,6 +619,7 @@ impl ShardInner {
         self.blocks[id as usize].freed_at = freed_at;
         deactivation_stats(pool, size, stats);
 
+        let (mut merged, mut merged_bytes) = (0i64, 0i64);
         let prev = self.blocks[id as usize].prev;
         if prev != NONE && self.blocks[prev as usize].state == State::Free {
             self.remove_free(prev);
@@ -645,8 +627,8 @@ impl ShardInner {
                 let p = &self.blocks[prev as usize];
                 (p.addr, p.size, p.prev)
             };
-            stats.both(StatKind::InactiveSplit, pool, -1);
-            stats.both(StatKind::InactiveSplitBytes, pool, -(psize as i64));
+            merged += 1;
+            merged_bytes += psize as i64;
             let b = &mut self.blocks[id as usize];
             b.addr = paddr;
             b.size += psize;
@@ -663,8 +645,8 @@ impl ShardInner {
                 let n = &self.blocks[next as usize];
                 (n.size, n.next)
             };
-            stats.both(StatKind::InactiveSplit, pool, -1);
-            stats.both(StatKind::InactiveSplitBytes, pool, -(nsize as i64));
+            merged += 1;
+            merged_bytes += nsize as i64;
             let b = &mut self.blocks[id as usize];
             b.size += nsize;
             b.next = nnext;
@@ -673,11 +655,25 @@ impl ShardInner {
             }
             self.drop_block(next);
         }
+        // The inactive-split statistics change by the net effect of the free, as PyTorch's
+        // do: merged neighbours leave, the merged block joins if it is still split. The
+        // current values would be the same either way; the counters of bytes and blocks
+        // allocated and freed are not.
         let b = &self.blocks[id as usize];
-        if b.is_split() {
-            let size = b.size as i64;
-            stats.both(StatKind::InactiveSplit, pool, 1);
-            stats.both(StatKind::InactiveSplitBytes, pool, size);
+        let (joins, join_bytes) = if b.is_split() {
+            (1, b.size as i64)
+        } else {
+            (0, 0)
+        };
+        if joins != merged {
+            stats.both(StatKind::InactiveSplit, pool, joins - merged);
+        }
+        if join_bytes != merged_bytes {
+            stats.both(
+                StatKind::InactiveSplitBytes,
+                pool,
+                join_bytes - merged_bytes,
+            );
         }
         self.insert_free(id);
     }
