@@ -421,54 +421,49 @@ impl<'a> Dfs<'a> {
                         }
                         next += 1;
                     }
-                    match self.choose(
+                    // Where this node goes on from, and what it placed there.
+                    let (k, above) = match self.choose(
                         &part, &preorder, &ordering, min_offset, min_rank, next, clock,
                     ) {
-                        Choice::Stopped(k) => {
-                            self.stack.push(Frame::Node {
-                                part,
-                                preorder,
-                                ordering,
-                                entered: true,
-                                min_offset,
-                                min_rank,
-                                next: k,
-                            });
-                            return Outcome::Stopped;
-                        }
                         Choice::None => {
                             self.spare.push(ordering);
                             self.ret = Some((false, false));
+                            continue;
                         }
+                        Choice::Stopped(k) => (k, None),
                         Choice::Placed(k, placed, child) => {
                             let (offset, rank) = ordering[k];
-                            let child = child.unwrap_or_else(|| Frame::Node {
-                                part: part.clone(),
-                                preorder: preorder.clone(),
-                                ordering: {
-                                    let mut copy = self.spare.pop().unwrap_or_default();
-                                    copy.clear();
-                                    copy.extend_from_slice(&ordering);
-                                    copy
-                                },
-                                entered: false,
-                                min_offset: offset,
-                                min_rank: rank,
-                                next: 0,
+                            let child = child.unwrap_or_else(|| {
+                                let mut copy = self.spare.pop().unwrap_or_default();
+                                copy.clear();
+                                copy.extend_from_slice(&ordering);
+                                Frame::Node {
+                                    part: part.clone(),
+                                    preorder: preorder.clone(),
+                                    ordering: copy,
+                                    entered: false,
+                                    min_offset: offset,
+                                    min_rank: rank,
+                                    next: 0,
+                                }
                             });
-                            self.stack.push(Frame::Node {
-                                part,
-                                preorder,
-                                ordering,
-                                entered: true,
-                                min_offset,
-                                min_rank,
-                                next: k,
-                            });
-                            self.stack.push(placed);
-                            self.stack.push(child);
+                            (k, Some((placed, child)))
                         }
-                    }
+                    };
+                    self.stack.push(Frame::Node {
+                        part,
+                        preorder,
+                        ordering,
+                        entered: true,
+                        min_offset,
+                        min_rank,
+                        next: k,
+                    });
+                    let Some((placed, child)) = above else {
+                        return Outcome::Stopped;
+                    };
+                    self.stack.push(placed);
+                    self.stack.push(child);
                 }
             }
         }
