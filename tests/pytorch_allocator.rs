@@ -90,14 +90,15 @@ fn settings_and_memory_fractions_give_pytorchs_statistics() {
     }
 }
 
-/// Under `expandable_segments:True` for both, tensoralloc reserves at most what PyTorch's
-/// expandable segments reserve, and `policy:compact` at most that too.
+/// Under `expandable_segments:True` for both, every statistic agrees too (PyTorch counts no
+/// segments and no inactive split blocks for expandable segments), and `policy:compact`
+/// reserves at most what PyTorch's expandable segments reserve.
 #[test]
-fn expandable_and_compact_reserve_no_more_than_pytorchs_expandable_segments() {
+fn expandable_segments_equal_pytorchs_and_compact_reserves_no_more() {
     let s = Setup::new("expandable");
-    for (what, ours) in [
-        ("expandable_segments:True", "expandable_segments:True"),
-        ("policy:compact", "policy:compact"),
+    for (what, ours, exact) in [
+        ("expandable_segments:True", "expandable_segments:True", "1"),
+        ("policy:compact", "policy:compact", "0"),
     ] {
         let (ok, out) = harness::replay(
             &s.exe,
@@ -106,10 +107,13 @@ fn expandable_and_compact_reserve_no_more_than_pytorchs_expandable_segments() {
             &[
                 ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"),
                 ("TENSORALLOC_CONF", ours),
-                ("EXACT", "0"),
+                ("EXACT", exact),
             ],
         );
-        assert!(ok, "{what}: the replay failed:\n{out}");
+        assert!(ok, "{what}: the replay failed or statistics differ:\n{out}");
+        if exact == "1" {
+            assert!(out.contains("0 statistics differ"), "{out}");
+        }
         let peaks = harness::peaks(&out);
         assert_eq!(peaks.len(), s.ops.len(), "{out}");
         for (trace, torch, ours) in peaks {
