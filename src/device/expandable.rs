@@ -188,23 +188,6 @@ impl ShardInner {
         (size, id)
     }
 
-    /// Removes a free block's share of the inactive-split statistics (before it changes).
-    fn uncount_free(&self, id: u32, stats: &mut impl StatSink) {
-        let b = &self.blocks[id as usize];
-        if b.is_split() {
-            stats.both(StatKind::InactiveSplit, b.pool, -1);
-            stats.both(StatKind::InactiveSplitBytes, b.pool, -(b.size as i64));
-        }
-    }
-
-    fn count_free(&self, id: u32, stats: &mut impl StatSink) {
-        let b = &self.blocks[id as usize];
-        if b.is_split() {
-            stats.both(StatKind::InactiveSplit, b.pool, 1);
-            stats.both(StatKind::InactiveSplitBytes, b.pool, b.size as i64);
-        }
-    }
-
     /// Splits `[addr, addr + size)` off the front of block `id` as a new block in `state`,
     /// placed before it. Returns the new block.
     fn split_front(&mut self, id: u32, size: usize, state: State) -> u32 {
@@ -363,14 +346,13 @@ impl ShardInner {
             };
             let piece = if state == State::Free {
                 self.remove_free(cur);
-                self.uncount_free(cur, stats);
                 left -= left.min(size);
                 cur
             } else {
                 let page = self.exp.segments[self.blocks[cur as usize].exp as usize].page;
                 let want = left.next_multiple_of(page).min(size);
                 if let Err(e) = self.map_run(driver, device, layout, cur, want, stats, report) {
-                    self.restore_free(first, stats);
+                    self.restore_free(first);
                     return Err(e);
                 }
                 left -= left.min(want);
@@ -399,17 +381,14 @@ impl ShardInner {
         let next = self.blocks[first as usize].next;
         if next != NONE && self.blocks[next as usize].state == State::Free {
             self.remove_free(next);
-            self.uncount_free(next, stats);
             self.absorb_next(first, next);
         }
-        self.count_free(first, stats);
         Ok(first)
     }
 
     /// Puts the run merged so far back in its free index after a failed growth.
-    fn restore_free(&mut self, first: u32, stats: &mut impl StatSink) {
+    fn restore_free(&mut self, first: u32) {
         if first != NONE {
-            self.count_free(first, stats);
             self.insert_free(first);
         }
     }
@@ -509,9 +488,6 @@ impl ShardInner {
         }
         self.exp.made = made;
         let seg = &mut self.exp.segments[exp];
-        if seg.mapped == 0 {
-            stats.both(StatKind::Segment, pool, 1);
-        }
         seg.mapped += want;
         stats.both(StatKind::ReservedBytes, pool, want as i64);
         report.range(true, addr, want);
@@ -620,16 +596,13 @@ impl ShardInner {
         unmapped?;
         let bytes = hi - lo;
         self.remove_free(id);
-        self.uncount_free(id, stats);
         // Cut the block into [addr, lo) free, [lo, hi) unmapped, [hi, end) free.
         if lo > addr {
             let front = self.split_front(id, lo - addr, State::Free);
-            self.count_free(front, stats);
             self.insert_free(front);
         }
         let middle = if hi < end {
             let m = self.split_front(id, hi - lo, State::Unmapped);
-            self.count_free(id, stats);
             self.insert_free(id);
             m
         } else {
@@ -655,9 +628,6 @@ impl ShardInner {
         self.unmapped_index(pool).insert(ma, m);
         let seg = &mut self.exp.segments[exp];
         seg.mapped -= bytes;
-        if seg.mapped == 0 {
-            stats.both(StatKind::Segment, pool, -1);
-        }
         stats.both(StatKind::ReservedBytes, pool, -(bytes as i64));
         report.range(false, lo, bytes);
         Ok(())
