@@ -126,6 +126,55 @@ proptest! {
     }
 }
 
+/// The smallest arena of any layout of `allocs` (sizes multiples of 64, offsets multiples of
+/// 64), by trying every offset of every allocation in turn.
+fn smallest_arena_by_brute_force(allocs: &[Allocation]) -> u64 {
+    fn visit(k: usize, allocs: &[Allocation], offsets: &mut Vec<u64>, top: u64, best: &mut u64) {
+        if top >= *best {
+            return;
+        }
+        if k == allocs.len() {
+            *best = top;
+            return;
+        }
+        let size = allocs[k].size / 64;
+        let mut o = 0;
+        while o + size < *best {
+            let free = (0..k).all(|j| {
+                let other = allocs[j].size / 64;
+                !allocs[j].overlaps_in_time(&allocs[k])
+                    || o + size <= offsets[j]
+                    || offsets[j] + other <= o
+            });
+            if free {
+                offsets[k] = o;
+                visit(k + 1, allocs, offsets, top.max(o + size), best);
+            }
+            o += 1;
+        }
+    }
+    let mut best = allocs.iter().map(|x| x.size / 64).sum::<u64>() + 1;
+    visit(0, allocs, &mut vec![0; allocs.len()], 0, &mut best);
+    best * 64
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(300))]
+
+    /// What the search prunes (section capacity, dominance, symmetry, nothing-overhead) never
+    /// hides a smaller layout: a plan it proves optimal is as small as any.
+    #[test]
+    fn a_plan_exact_proves_optimal_is_as_small_as_any_layout(
+        allocs in prop::collection::vec((1u64..=4, 0u64..6, 0u64..4), 1..=6)
+            .prop_map(|v| v.into_iter().map(|(units, first, len)| a(64 * units, first, first + len)).collect::<Vec<_>>())
+    ) {
+        let out = plan_offsets_with(&allocs, 64, Algorithm::Exact, &PlanOptions::default()).unwrap();
+        prop_assert!(validate(&allocs, &out.plan, 64).is_ok());
+        prop_assert!(out.proven_optimal);
+        prop_assert_eq!(out.plan.arena_size, smallest_arena_by_brute_force(&allocs));
+    }
+}
+
 #[test]
 fn pytorch_grows_the_arena_where_the_default_reaches_the_bound() {
     // B lives through C's step; A's gap is too small for C.

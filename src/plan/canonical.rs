@@ -7,16 +7,23 @@
 //! search only branches on which allocation comes next. Time is cut into sections (one per
 //! distinct first use: the allocations live then); the search prunes a branch when
 //!
-//! - the unplaced bytes of a section, stacked on the section's floor, pass the capacity;
+//! - the unplaced bytes of a section, stacked on the lowest offset any of them can still take
+//!   (or on the offset of the next placement, below which nothing more goes), pass the
+//!   capacity;
 //! - the next allocation would leave room below it where another unplaced one fits whole
 //!   (the layout with that one moved down is as good: dominance);
 //! - it breaks the canonical order (symmetric orders of the same layout).
 //!
+//! A placement changes the sections of the allocation placed and of the neighbours it raises:
+//! one run of sections, each checked against one remembered low allocation before its
+//! members are scanned; the order of the unplaced allocations is kept sorted by merging in
+//! the raised ones, not sorted anew.
 //! When no unplaced allocation spans the boundary between two sections, the two sides are
 //! solved apart (temporal decomposition). Work is counted (allocations scanned, sections
 //! checked, neighbours updated), never timed, so a budget gives the same answer on any
 //! machine; a deadline can only stop a search early.
 
+use std::rc::Rc;
 use std::time::Instant;
 
 use super::offsets::Conflicts;
@@ -42,37 +49,34 @@ enum Key {
 
 const NONE: u64 = u64::MAX;
 
-/// Where the optimising search probes between the largest capacity known to be too small
-/// and the best plan: the lower end itself (a layout there is optimal), then a half and
-/// three quarters of the way up (a looser capacity is usually quicker to fill).
-const PROBES: [(u64, u64); 3] = [(0, 1), (1, 2), (3, 4)];
-
-/// How the optimising search shares its work between the probe at the lower end and the
-/// probes for a smaller layout.
+/// How the optimising search probes between the largest capacity known to be too small and
+/// the best plan, and how it shares its work between the probes.
 #[derive(Clone, Copy)]
 pub(crate) struct Schedule {
+    /// The capacities probed, as fractions (numerator, denominator) of the way up from the
+    /// lower end to the best plan: the lower end itself first (a layout there is optimal).
+    probes: &'static [(u64, u64)],
     /// The work of each probe for a smaller layout, as a fraction (numerator, denominator)
     /// of the work of the probe at the lower end.
     improve_share: (u64, u64),
-    /// Each probe for a smaller layout is one depth-first search, in a static order that
-    /// changes every other round, rather than the restarting portfolio of
-    /// [`Decider::decide`] (whose restarts cost several times the work of the search that
-    /// succeeds; the rounds' doubling work already restarts).
-    one_order: bool,
 }
 
 impl Schedule {
-    /// The default wants a small plan more than a proof: its probes for smaller layouts get
-    /// twice the work of the probe at the lower bound, each spent on one search.
+    /// The default wants a small plan more than a proof: it probes a half and three quarters
+    /// of the way up (a layout there improves the plan by much more than one just below it
+    /// would), each with twice the work of the probe at the lower bound.
     pub(crate) const DEFAULT: Schedule = Schedule {
+        probes: &[(0, 1), (1, 2), (3, 4)],
         improve_share: (2, 1),
-        one_order: true,
     };
-    /// `Exact` gives them an eighth, so that proving the bound costs little more than
-    /// probing it alone.
+    /// `Exact` also probes just below the best plan (a search there is quick when the plan
+    /// is close to the optimum, as it is once the others have improved it), each probe with
+    /// the work of the one at the lower end: proofs cost about four times the work of
+    /// asking at the lower end alone, and where the bound cannot be reached (or not be
+    /// ruled out) the plan gets closer to it.
     pub(crate) const EXACT: Schedule = Schedule {
-        improve_share: (1, 8),
-        one_order: false,
+        probes: &[(0, 1), (1, 2), (3, 4), (63, 64)],
+        improve_share: (1, 1),
     };
 }
 
@@ -187,19 +191,11 @@ impl Instance {
 /// How a decision search ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Outcome {
-    /// A layout within the capacity: [`Decider::solution`].
+    /// A layout within the capacity: [`Dfs::solution`].
     Found,
     /// Proven: no layout fits in the capacity.
     Infeasible,
-    /// The work budget ran out or the deadline passed first.
-    Stopped,
-}
-
-/// Internal result of one (sub)search.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Step {
-    Found,
-    NotFound,
+    /// The work given ran out or the deadline passed first; the search can go on.
     Stopped,
 }
 
@@ -209,114 +205,16 @@ struct Partition {
     sections: (u32, u32),
 }
 
-/// Decision searches over one instance.
-struct Decider<'a> {
-    inst: &'a Instance,
-    capacity: u64,
-    offset: Vec<u64>,
-    min_offset: Vec<u64>,
-    floor: Vec<u64>,
-    total: Vec<u64>,
-    cuts: Vec<u32>,
-    solution: Vec<u64>,
-    /// Work left to the current heuristic's round and to the whole search.
-    round_left: u64,
-    work_left: u64,
+/// The wall clock of one call: a deadline can only stop searches early.
+struct Clock {
     deadline: Option<Instant>,
     ticks: u32,
     out_of_time: bool,
-    /// Sections whose floor may rise after a placement (marked with `stamp`).
-    mark: Vec<u32>,
-    stamp: u32,
-    affected: Vec<u32>,
 }
 
-impl<'a> Decider<'a> {
-    fn new(inst: &'a Instance, deadline: Option<Instant>) -> Decider<'a> {
-        let n = inst.len();
-        let sections = inst.total.len();
-        Decider {
-            inst,
-            capacity: 0,
-            offset: vec![NONE; n],
-            min_offset: vec![0; n],
-            floor: vec![0; sections],
-            total: inst.total.clone(),
-            cuts: inst.cuts.clone(),
-            solution: vec![0; n],
-            round_left: 0,
-            work_left: 0,
-            deadline,
-            ticks: 0,
-            out_of_time: false,
-            mark: vec![0; sections],
-            stamp: 0,
-            affected: Vec::new(),
-        }
-    }
-
-    /// Offsets of the last layout found, by local allocation.
-    fn solution(&self) -> &[u64] {
-        &self.solution
-    }
-
-    /// Looks for a layout within `capacity` bytes, spending at most `*work` units (the rest
-    /// is left in `*work`): by all static orders in turn with a doubling budget, or, given
-    /// `order`, by one depth-first search in that order with the whole budget.
-    fn decide(&mut self, capacity: u64, work: &mut u64, order: Option<usize>) -> Outcome {
-        self.capacity = capacity;
-        self.work_left = *work;
-        let n = self.inst.len() as u64;
-        if self.inst.size.iter().any(|&s| s > capacity) {
-            return Outcome::Infeasible;
-        }
-        let whole = Partition {
-            buffers: (0..n as u32).collect(),
-            sections: (0, self.inst.total.len() as u32),
-        };
-        // Round robin over the static orders with a doubling budget, as a portfolio: a
-        // complete search under any of them is a proof.
-        let (mut limit, orders) = match order {
-            Some(h) => (u64::MAX, h..h + 1),
-            None => ((16 * n).max(1024), 0..PREORDERS.len()),
-        };
-        let outcome = 'rounds: loop {
-            for h in orders.clone() {
-                self.reset();
-                self.round_left = limit.min(self.work_left);
-                let before = self.round_left;
-                let step = self.split(&whole, h, None);
-                self.work_left -= before - self.round_left;
-                match step {
-                    Step::Found => break 'rounds Outcome::Found,
-                    Step::NotFound => break 'rounds Outcome::Infeasible,
-                    Step::Stopped if self.out_of_time || self.work_left == 0 => {
-                        break 'rounds Outcome::Stopped
-                    }
-                    Step::Stopped => {}
-                }
-            }
-            limit = limit.saturating_mul(2);
-        };
-        *work = self.work_left;
-        outcome
-    }
-
-    fn reset(&mut self) {
-        self.offset.iter_mut().for_each(|o| *o = NONE);
-        self.min_offset.iter_mut().for_each(|o| *o = 0);
-        self.floor.iter_mut().for_each(|f| *f = 0);
-        self.total.copy_from_slice(&self.inst.total);
-        self.cuts.copy_from_slice(&self.inst.cuts);
-    }
-
-    /// Spends `units` of work; false when the budget or the deadline is spent.
-    fn spend(&mut self, units: u64) -> bool {
-        if self.round_left < units {
-            self.round_left = 0;
-            return false;
-        }
-        self.round_left -= units;
+impl Clock {
+    /// Whether the deadline has passed, looking at the time once in 256 calls.
+    fn expired(&mut self) -> bool {
         self.ticks += 1;
         if self.ticks >= 256 {
             self.ticks = 0;
@@ -324,34 +222,257 @@ impl<'a> Decider<'a> {
                 self.out_of_time = true;
             }
         }
-        !self.out_of_time
+        self.out_of_time
+    }
+}
+
+/// A step of the depth-first search still under way.
+enum Frame {
+    /// Solving the independent parts of `part` one after the other: those of `windows` from
+    /// `next` on are left.
+    Split {
+        part: Rc<Partition>,
+        windows: Vec<(u32, u32)>,
+        next: usize,
+    },
+    /// Choosing the next allocation of `part` to place: candidates of `ordering` from
+    /// `next` on are left, none before (`min_offset`, `min_rank`). Until `entered`,
+    /// `ordering` is the parent's.
+    Node {
+        part: Rc<Partition>,
+        preorder: Rc<[u32]>,
+        ordering: Vec<(u64, u32)>,
+        entered: bool,
+        min_offset: u64,
+        min_rank: u32,
+        next: usize,
+    },
+    /// Allocation `b` placed, its raised neighbours from `raised` on in [`Dfs::raised`].
+    Placed {
+        b: u32,
+        raised: usize,
+        hatless: bool,
+    },
+}
+
+/// One depth-first search for a layout within `capacity` bytes in one static order, which
+/// stops when the work it is given runs out and goes on from there when given more.
+struct Dfs<'a> {
+    inst: &'a Instance,
+    capacity: u64,
+    order: usize,
+    offset: Vec<u64>,
+    min_offset: Vec<u64>,
+    total: Vec<u64>,
+    cuts: Vec<u32>,
+    solution: Vec<u64>,
+    /// Allocations whose lowest offset a placement raised, with the offset before (a
+    /// stack undone as the search backtracks).
+    raised: Vec<(u32, u64)>,
+    /// Scratch space of [`Dfs::enter`].
+    moved: Vec<(u64, u32)>,
+    /// Per section: an unplaced allocation that was low enough in the section last time it
+    /// was checked (a hint only).
+    witness: Vec<u32>,
+    stack: Vec<Frame>,
+    /// Orders of finished nodes, kept for new ones (no allocation per node).
+    spare: Vec<Vec<(u64, u32)>>,
+    /// What the frame last finished said to the one below: found, and whether the
+    /// allocation it placed had nothing unplaced live with it.
+    ret: Option<(bool, bool)>,
+    /// Work left in the current run.
+    left: u64,
+    outcome: Option<Outcome>,
+}
+
+impl<'a> Dfs<'a> {
+    fn new(inst: &'a Instance, capacity: u64, order: usize) -> Dfs<'a> {
+        let n = inst.len();
+        let sections = inst.total.len();
+        let whole = Rc::new(Partition {
+            buffers: (0..n as u32).collect(),
+            sections: (0, sections as u32),
+        });
+        let mut dfs = Dfs {
+            inst,
+            capacity,
+            order,
+            offset: vec![NONE; n],
+            min_offset: vec![0; n],
+            total: inst.total.clone(),
+            cuts: inst.cuts.clone(),
+            solution: vec![0; n],
+            raised: Vec::new(),
+            moved: Vec::new(),
+            witness: inst.members_start[..sections]
+                .iter()
+                .map(|&k| inst.members.get(k).copied().unwrap_or(0))
+                .collect(),
+            stack: Vec::new(),
+            spare: Vec::new(),
+            ret: None,
+            left: 0,
+            outcome: None,
+        };
+        if inst.size.iter().any(|&s| s > capacity) {
+            dfs.outcome = Some(Outcome::Infeasible);
+        } else {
+            let split = dfs.split(whole, None);
+            dfs.stack.push(split);
+        }
+        dfs
     }
 
-    /// Solves `part`, split at the section boundaries no unplaced allocation crosses
-    /// (`placed`: the allocation just placed, whose crossings no longer count).
-    fn split(&mut self, part: &Partition, h: usize, placed: Option<usize>) -> Step {
-        let (first, end) = part.sections;
-        let mut cutpoints = vec![first];
-        match placed {
-            Some(b) => {
-                let (l, e) = (self.inst.lo[b] as usize, self.inst.hi[b] as usize);
-                for s in l..e - 1 {
-                    if self.cuts[s] == 0 {
-                        cutpoints.push(s as u32 + 1);
+    /// Offsets of the layout found, by local allocation.
+    fn solution(&self) -> &[u64] {
+        &self.solution
+    }
+
+    /// Spends `units` of work, or none and false when fewer are left or the deadline passed.
+    fn spend(&mut self, units: u64, clock: &mut Clock) -> bool {
+        if self.left < units || clock.expired() {
+            return false;
+        }
+        self.left -= units;
+        true
+    }
+
+    /// Searches on with at most `work` units; returns how it ended and the units spent.
+    fn run(&mut self, work: u64, clock: &mut Clock) -> (Outcome, u64) {
+        if let Some(outcome) = self.outcome {
+            return (outcome, 0);
+        }
+        self.left = work;
+        let outcome = self.resume(clock);
+        if outcome != Outcome::Stopped {
+            self.outcome = Some(outcome);
+        }
+        (outcome, work - self.left)
+    }
+
+    fn resume(&mut self, clock: &mut Clock) -> Outcome {
+        loop {
+            let Some(frame) = self.stack.pop() else {
+                return match self.ret {
+                    Some((true, _)) => Outcome::Found,
+                    _ => Outcome::Infeasible,
+                };
+            };
+            match frame {
+                Frame::Split {
+                    part,
+                    windows,
+                    next,
+                } => {
+                    if self.ret.take().is_some_and(|(found, _)| !found) {
+                        self.ret = Some((false, false));
+                        continue;
                     }
+                    self.next_part(part, windows, next);
                 }
-            }
-            None => {
-                for s in first..end.saturating_sub(1) {
-                    if self.cuts[s as usize] == 0 {
-                        cutpoints.push(s + 1);
+                Frame::Placed { b, raised, hatless } => {
+                    let (found, _) = self.ret.take().expect("a frame above returned");
+                    let b = b as usize;
+                    let (l, e) = (self.inst.lo[b] as usize, self.inst.hi[b] as usize);
+                    for s in l..e.saturating_sub(1) {
+                        self.cuts[s] += 1;
                     }
+                    self.unplace(b, raised);
+                    self.ret = Some((found, hatless));
+                }
+                Frame::Node {
+                    part,
+                    preorder,
+                    mut ordering,
+                    entered,
+                    min_offset,
+                    min_rank,
+                    mut next,
+                } => {
+                    if !entered {
+                        let units =
+                            (ordering.len() + (part.sections.1 - part.sections.0) as usize) as u64;
+                        if !self.spend(units, clock) {
+                            self.stack.push(Frame::Node {
+                                part,
+                                preorder,
+                                ordering,
+                                entered,
+                                min_offset,
+                                min_rank,
+                                next,
+                            });
+                            return Outcome::Stopped;
+                        }
+                        self.enter(&preorder, &mut ordering);
+                        if ordering.is_empty() {
+                            self.spare.push(ordering);
+                            self.ret = Some((true, false));
+                            continue;
+                        }
+                    } else if let Some((found, hatless)) = self.ret.take() {
+                        // Nothing unplaced is live with the allocation just tried: any layout
+                        // of the rest that some other choice here leads to also completes
+                        // with it placed first (MiniMalloc's "hatless" pruning).
+                        if found || hatless {
+                            self.spare.push(ordering);
+                            self.ret = Some((found, false));
+                            continue;
+                        }
+                        next += 1;
+                    }
+                    // Where this node goes on from, and what it placed there.
+                    let (k, above) = match self.choose(
+                        &part, &preorder, &ordering, min_offset, min_rank, next, clock,
+                    ) {
+                        Choice::None => {
+                            self.spare.push(ordering);
+                            self.ret = Some((false, false));
+                            continue;
+                        }
+                        Choice::Stopped(k) => (k, None),
+                        Choice::Placed(k, placed, child) => {
+                            let (offset, rank) = ordering[k];
+                            let child = child.unwrap_or_else(|| {
+                                let mut copy = self.spare.pop().unwrap_or_default();
+                                copy.clear();
+                                copy.extend_from_slice(&ordering);
+                                Frame::Node {
+                                    part: part.clone(),
+                                    preorder: preorder.clone(),
+                                    ordering: copy,
+                                    entered: false,
+                                    min_offset: offset,
+                                    min_rank: rank,
+                                    next: 0,
+                                }
+                            });
+                            (k, Some((placed, child)))
+                        }
+                    };
+                    self.stack.push(Frame::Node {
+                        part,
+                        preorder,
+                        ordering,
+                        entered: true,
+                        min_offset,
+                        min_rank,
+                        next: k,
+                    });
+                    let Some((placed, child)) = above else {
+                        return Outcome::Stopped;
+                    };
+                    self.stack.push(placed);
+                    self.stack.push(child);
                 }
             }
         }
-        cutpoints.push(end);
-        for w in cutpoints.windows(2) {
-            let (l, e) = (w[0], w[1]);
+    }
+
+    /// Pushes the search of the next nonempty window of a split, or says the split is solved.
+    fn next_part(&mut self, part: Rc<Partition>, windows: Vec<(u32, u32)>, next: usize) {
+        for k in next..windows.len() {
+            let (l, e) = windows[k];
             let buffers: Vec<u32> = part
                 .buffers
                 .iter()
@@ -368,16 +489,48 @@ impl<'a> Decider<'a> {
                 buffers,
                 sections: (l, e),
             };
-            let step = self.solve(&sub, h);
-            if step != Step::Found {
-                return step;
-            }
+            let preorder = self.preorder(&sub);
+            let ordering = (0..preorder.len() as u32).map(|r| (0, r)).collect();
+            self.stack.push(Frame::Split {
+                part,
+                windows,
+                next: k + 1,
+            });
+            self.stack.push(Frame::Node {
+                part: Rc::new(sub),
+                preorder,
+                ordering,
+                entered: false,
+                min_offset: 0,
+                min_rank: 0,
+                next: 0,
+            });
+            return;
         }
-        Step::Found
+        self.ret = Some((true, false));
     }
 
-    /// Orders `part` by the static order `h`, then searches it.
-    fn solve(&mut self, part: &Partition, h: usize) -> Step {
+    /// The split of `part` at the section boundaries no unplaced allocation crosses
+    /// (`placed`: the allocation just placed, whose crossings no longer count).
+    fn split(&self, part: Rc<Partition>, placed: Option<usize>) -> Frame {
+        let (first, end) = part.sections;
+        let mut cutpoints = vec![first];
+        let range = match placed {
+            Some(b) => self.inst.lo[b]..self.inst.hi[b] - 1,
+            None => first..end.saturating_sub(1),
+        };
+        cutpoints.extend(range.filter(|&s| self.cuts[s as usize] == 0).map(|s| s + 1));
+        cutpoints.push(end);
+        let windows = cutpoints.windows(2).map(|w| (w[0], w[1])).collect();
+        Frame::Split {
+            part,
+            windows,
+            next: 0,
+        }
+    }
+
+    /// The allocations of `part` in the static order of this search.
+    fn preorder(&self, part: &Partition) -> Rc<[u32]> {
         let inst = self.inst;
         let key = |b: usize, k: Key| -> u128 {
             match k {
@@ -395,166 +548,275 @@ impl<'a> Decider<'a> {
             .buffers
             .iter()
             .map(|&b| {
-                let k = PREORDERS[h].map(|k| u128::MAX - key(b as usize, k));
+                let k = PREORDERS[self.order].map(|k| u128::MAX - key(b as usize, k));
                 (k, b)
             })
             .collect();
         keyed.sort_unstable();
-        let preorder: Vec<u32> = keyed.into_iter().map(|(_, b)| b).collect();
-        let ordering: Vec<(u64, u32)> = (0..preorder.len() as u32).map(|r| (0, r)).collect();
-        self.search(part, &preorder, &ordering, 0, 0, h)
+        keyed.into_iter().map(|(_, b)| b).collect()
     }
 
-    /// Places the next allocation of `part`: one of the unplaced ones at its lowest offset,
-    /// not before (`min_offset`, `min_rank`) in (offset, rank) order.
-    fn search(
+    /// Turns the parent's order into this node's: the unplaced allocations by (lowest
+    /// offset, rank), the parent's order less what was placed merged with the allocations
+    /// raised since (few, and usually all to one offset): cheaper than sorting anew.
+    fn enter(&mut self, preorder: &[u32], ordering: &mut Vec<(u64, u32)>) {
+        let mut moved = std::mem::take(&mut self.moved);
+        moved.clear();
+        let mut kept = 0;
+        for k in 0..ordering.len() {
+            let (o, r) = ordering[k];
+            let b = preorder[r as usize] as usize;
+            if self.offset[b] != NONE {
+                continue;
+            }
+            let m = self.min_offset[b];
+            if m == o {
+                ordering[kept] = (o, r);
+                kept += 1;
+            } else {
+                moved.push((m, r));
+            }
+        }
+        ordering.truncate(kept);
+        if !moved.is_empty() {
+            moved.sort_unstable();
+            ordering.extend_from_slice(&moved);
+            merge_sorted(ordering, kept, &mut moved);
+        }
+        self.moved = moved;
+    }
+
+    /// Places the first candidate of `ordering` from `next` on that passes the checks: one
+    /// of the unplaced allocations at its lowest offset, not before (`min_offset`,
+    /// `min_rank`) in (offset, rank) order.
+    #[allow(clippy::too_many_arguments)]
+    fn choose(
         &mut self,
-        part: &Partition,
+        part: &Rc<Partition>,
         preorder: &[u32],
-        previous: &[(u64, u32)],
+        ordering: &[(u64, u32)],
         min_offset: u64,
         min_rank: u32,
-        h: usize,
-    ) -> Step {
-        let units = (previous.len() + (part.sections.1 - part.sections.0) as usize) as u64;
-        if !self.spend(units) {
-            return Step::Stopped;
-        }
-        let mut ordering: Vec<(u64, u32)> = previous
-            .iter()
-            .filter(|&&(_, r)| self.offset[preorder[r as usize] as usize] == NONE)
-            .map(|&(_, r)| (self.min_offset[preorder[r as usize] as usize], r))
-            .collect();
-        if ordering.is_empty() {
-            return Step::Found;
-        }
-        ordering.sort_unstable();
+        next: usize,
+        clock: &mut Clock,
+    ) -> Choice {
+        let inst = self.inst;
         let min_height = ordering
             .iter()
-            .map(|&(o, r)| o + self.inst.size[preorder[r as usize] as usize])
+            .map(|&(o, r)| o + inst.size[preorder[r as usize] as usize])
             .min()
-            .expect("not empty");
-        for k in 0..ordering.len() {
-            let (offset, rank) = ordering[k];
+            .unwrap_or(u64::MAX);
+        // Every allocation from here on goes at or above the one placed next, so each
+        // section's unplaced bytes must fit above that offset.
+        let (l, e) = (part.sections.0 as usize, part.sections.1 as usize);
+        let highest = self.total[l..e].iter().copied().max().unwrap_or(0);
+        let Some(ceiling) = self.capacity.checked_sub(highest) else {
+            return Choice::None;
+        };
+        for (k, &(offset, rank)) in ordering.iter().enumerate().skip(next) {
             if (offset, rank) < (min_offset, min_rank) {
                 continue;
             }
             // Something unplaced fits whole below: leaving that room empty is dominated.
-            if offset >= min_height {
+            if offset > ceiling || offset >= min_height {
                 break;
             }
             let b = preorder[rank as usize] as usize;
-            let step = self.place(part, preorder, &ordering, b, offset, rank, h);
-            if step != Step::NotFound {
-                return step;
+            let (fits, scanned, mark, hatless) = self.place(b, offset);
+            if !self.spend(scanned, clock) {
+                self.unplace(b, mark);
+                return Choice::Stopped(k);
             }
-        }
-        Step::NotFound
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn place(
-        &mut self,
-        part: &Partition,
-        preorder: &[u32],
-        ordering: &[(u64, u32)],
-        b: usize,
-        offset: u64,
-        rank: u32,
-        h: usize,
-    ) -> Step {
-        let inst = self.inst;
-        let size = inst.size[b];
-        let height = offset + size;
-        self.offset[b] = offset;
-        self.solution[b] = offset;
-        // Neighbours now rest at least on this allocation.
-        self.stamp = self.stamp.wrapping_add(1);
-        if self.stamp == 0 {
-            self.mark.iter_mut().for_each(|m| *m = 0);
-            self.stamp = 1;
-        }
-        self.affected.clear();
-        let mut raised: Vec<(u32, u64)> = Vec::new();
-        for &o in inst.neighbours(b) {
-            let o = o as usize;
-            if self.offset[o] == NONE && self.min_offset[o] < height {
-                raised.push((o as u32, self.min_offset[o]));
-                self.min_offset[o] = height;
-                for s in inst.lo[o]..inst.hi[o] {
-                    if self.mark[s as usize] != self.stamp {
-                        self.mark[s as usize] = self.stamp;
-                        self.affected.push(s);
-                    }
+            if !fits {
+                self.unplace(b, mark);
+                if hatless {
+                    break;
                 }
+                continue;
             }
-        }
-        let mut floors: Vec<(u32, u64)> = Vec::new();
-        let (l, e) = (inst.lo[b] as usize, inst.hi[b] as usize);
-        for s in l..e {
-            floors.push((s as u32, self.floor[s]));
-            self.floor[s] = height;
-            self.total[s] -= size;
-        }
-        // A section's floor is at least the lowest place any of its unplaced allocations
-        // can still go.
-        let mut scanned = inst.neighbours(b).len() + (e - l);
-        let affected = std::mem::take(&mut self.affected);
-        for &s in &affected {
-            let s = s as usize;
-            let members = inst.members(s);
-            scanned += members.len();
-            let lowest = members
-                .iter()
-                .filter(|&&o| self.offset[o as usize] == NONE)
-                .map(|&o| self.min_offset[o as usize])
-                .min();
-            if let Some(lowest) = lowest {
-                if self.floor[s] < lowest {
-                    floors.push((s as u32, self.floor[s]));
-                    self.floor[s] = lowest;
-                }
-            }
-        }
-        self.affected = affected;
-        let mut step = Step::NotFound;
-        if !self.spend(scanned as u64) {
-            step = Step::Stopped;
-        } else if self.fits(part, offset) {
+            let (l, e) = (inst.lo[b] as usize, inst.hi[b] as usize);
             for s in l..e.saturating_sub(1) {
                 self.cuts[s] -= 1;
             }
             let splits = (l..e.saturating_sub(1)).any(|s| self.cuts[s] == 0);
-            step = if splits {
-                self.split(part, h, Some(b))
-            } else {
-                self.search(part, preorder, ordering, offset, rank, h)
+            let child = splits.then(|| self.split(part.clone(), Some(b)));
+            let placed = Frame::Placed {
+                b: b as u32,
+                raised: mark,
+                hatless,
             };
-            for s in l..e.saturating_sub(1) {
-                self.cuts[s] += 1;
-            }
+            return Choice::Placed(k, placed, child);
         }
-        for &(s, f) in floors.iter().rev() {
-            self.floor[s as usize] = f;
-        }
-        for s in l..e {
-            self.total[s] += size;
-        }
-        for &(o, m) in raised.iter().rev() {
-            self.min_offset[o as usize] = m;
-        }
-        self.offset[b] = NONE;
-        step
+        Choice::None
     }
 
-    /// Whether every section of `part` can still hold its unplaced bytes, all of which go at
-    /// or above `offset`.
-    fn fits(&self, part: &Partition, offset: u64) -> bool {
-        let (l, e) = (part.sections.0 as usize, part.sections.1 as usize);
-        self.floor[l..e]
-            .iter()
-            .zip(&self.total[l..e])
-            .all(|(&f, &t)| f.max(offset) + t <= self.capacity)
+    /// Places `b` at `offset`: returns whether the sections it changes still fit, the work
+    /// spent, where its raised neighbours start in [`Dfs::raised`], and whether nothing
+    /// unplaced is live with it.
+    fn place(&mut self, b: usize, offset: u64) -> (bool, u64, usize, bool) {
+        let inst = self.inst;
+        let size = inst.size[b];
+        let height = offset + size;
+        let (l, e) = (inst.lo[b] as usize, inst.hi[b] as usize);
+        self.offset[b] = offset;
+        self.solution[b] = offset;
+        // Neighbours now rest at least on this allocation. The sections whose unplaced
+        // allocations changed are this one's and those of the neighbours raised, all of which
+        // meet this one's: one run of sections.
+        let mut hatless = true;
+        let (mut first, mut end) = (l, e);
+        let mark = self.raised.len();
+        for &o in inst.neighbours(b) {
+            let o = o as usize;
+            if self.offset[o] != NONE {
+                continue;
+            }
+            hatless = false;
+            if self.min_offset[o] < height {
+                self.raised.push((o as u32, self.min_offset[o]));
+                self.min_offset[o] = height;
+                first = first.min(inst.lo[o] as usize);
+                end = end.max(inst.hi[o] as usize);
+            }
+        }
+        for s in l..e {
+            self.total[s] -= size;
+        }
+        let mut scanned = (inst.neighbours(b).len() + (end - first)) as u64;
+        let fits = self.sections_fit(first, end, &mut scanned);
+        (fits, scanned, mark, hatless)
+    }
+
+    /// Undoes [`Dfs::place`] of `b` (its raised neighbours from `mark` on).
+    fn unplace(&mut self, b: usize, mark: usize) {
+        let inst = self.inst;
+        for s in inst.lo[b] as usize..inst.hi[b] as usize {
+            self.total[s] += inst.size[b];
+        }
+        for &(o, m) in self.raised[mark..].iter().rev() {
+            self.min_offset[o as usize] = m;
+        }
+        self.raised.truncate(mark);
+        self.offset[b] = NONE;
+    }
+
+    /// Whether sections `first..end` can still hold their unplaced bytes: each needs one
+    /// unplaced allocation low enough that all of them fit above it (the lowest any of them
+    /// can go). The allocation last found is tried first, so that most checks look at one
+    /// allocation rather than the section's. Adds the allocations scanned to `scanned`.
+    fn sections_fit(&mut self, first: usize, end: usize, scanned: &mut u64) -> bool {
+        let inst = self.inst;
+        for s in first..end {
+            let total = self.total[s];
+            if total == 0 {
+                continue;
+            }
+            let Some(room) = self.capacity.checked_sub(total) else {
+                return false;
+            };
+            let w = self.witness[s] as usize;
+            if self.offset[w] == NONE && self.min_offset[w] <= room {
+                continue;
+            }
+            let members = inst.members(s);
+            *scanned += members.len() as u64;
+            let lowest = members
+                .iter()
+                .filter(|&&o| self.offset[o as usize] == NONE)
+                .min_by_key(|&&o| self.min_offset[o as usize]);
+            match lowest {
+                Some(&o) if self.min_offset[o as usize] <= room => self.witness[s] = o,
+                _ => return false,
+            }
+        }
+        true
+    }
+}
+
+/// What [`Dfs::choose`] did.
+enum Choice {
+    /// Candidate `k` placed: its undo record and, when it split the part, the split.
+    Placed(usize, Frame, Option<Frame>),
+    /// No candidate left.
+    None,
+    /// The work ran out before candidate `k` was placed.
+    Stopped(usize),
+}
+
+/// Searches at one capacity: one [`Dfs`] per static order, run in turn, each for as much
+/// work as the others before it (doubling from turn to turn), as a portfolio: different
+/// inputs fall fastest to different orders, and a complete search under any is a proof.
+struct Probe<'a> {
+    capacity: u64,
+    searches: Vec<Dfs<'a>>,
+    slice: u64,
+    turn: usize,
+    /// The search that found a layout.
+    found: Option<usize>,
+}
+
+impl<'a> Probe<'a> {
+    fn new(inst: &'a Instance, capacity: u64) -> Probe<'a> {
+        Probe {
+            capacity,
+            searches: (0..PREORDERS.len())
+                .map(|h| Dfs::new(inst, capacity, h))
+                .collect(),
+            slice: (16 * inst.len() as u64).max(1024),
+            turn: 0,
+            found: None,
+        }
+    }
+
+    /// Searches on with at most `work` units; returns how it ended and the units spent.
+    fn run(&mut self, work: u64, clock: &mut Clock) -> (Outcome, u64) {
+        let mut spent = 0;
+        loop {
+            if spent == work || clock.out_of_time {
+                return (Outcome::Stopped, spent);
+            }
+            let given = self.slice.min(work - spent);
+            let (outcome, used) = self.searches[self.turn].run(given, clock);
+            spent += used;
+            match outcome {
+                Outcome::Found => {
+                    self.found = Some(self.turn);
+                    return (outcome, spent);
+                }
+                Outcome::Infeasible => return (outcome, spent),
+                // The rest of `work` was too little for the search's next step.
+                Outcome::Stopped if given < self.slice => return (outcome, spent),
+                Outcome::Stopped => {}
+            }
+            self.turn += 1;
+            if self.turn == self.searches.len() {
+                self.turn = 0;
+                self.slice = self.slice.saturating_mul(2);
+            }
+        }
+    }
+
+    fn solution(&self) -> &[u64] {
+        self.searches[self.found.expect("a layout was found")].solution()
+    }
+}
+
+/// Merges the sorted runs `items[..mid]` and `items[mid..]` in place, with `scratch` as
+/// room for the second run.
+fn merge_sorted<T: Copy + Ord>(items: &mut [T], mid: usize, scratch: &mut Vec<T>) {
+    scratch.clear();
+    scratch.extend_from_slice(&items[mid..]);
+    // Fill from the back: the larger of the two runs' last items goes last.
+    let (mut i, mut j, mut k) = (mid, scratch.len(), items.len());
+    while j > 0 {
+        if i > 0 && items[i - 1] > scratch[j - 1] {
+            items[k - 1] = items[i - 1];
+            i -= 1;
+        } else {
+            items[k - 1] = scratch[j - 1];
+            j -= 1;
+        }
+        k -= 1;
     }
 }
 
@@ -604,19 +866,23 @@ impl Problem {
             };
         }
         let inst = Instance::of(self);
-        let mut decider = Decider::new(&inst, deadline);
-        // The optimum lies in lo..=best. Each round probes the capacities of `PROBES`, with
-        // the work of each probe doubling from round to round, until lo meets the plan or
-        // the budget is spent.
+        let mut clock = Clock {
+            deadline,
+            ticks: 0,
+            out_of_time: false,
+        };
+        // The optimum lies in lo..=best. Each round gives the probes at the capacities of
+        // the schedule more work (doubling from round to round), each going on where it stopped
+        // unless its capacity changed, until lo meets the plan or the budget is spent.
         let mut lo = bound;
+        let mut probes: Vec<Option<Probe>> = schedule.probes.iter().map(|_| None).collect();
         let mut slice = (64 * inst.len() as u64).max(4096);
-        let mut round = 0;
         let proven = 'search: loop {
-            for (k, &(num, den)) in PROBES.iter().enumerate() {
+            for (k, &(num, den)) in schedule.probes.iter().enumerate() {
                 if lo >= best.arena_size {
                     break 'search true;
                 }
-                if left == 0 || decider.out_of_time {
+                if left == 0 || clock.out_of_time {
                     break 'search false;
                 }
                 let gap = (best.arena_size - lo) / alignment;
@@ -624,26 +890,30 @@ impl Problem {
                 if k > 0 && capacity == lo {
                     continue;
                 }
+                let probe = match &mut probes[k] {
+                    Some(p) if p.capacity == capacity => p,
+                    slot => slot.insert(Probe::new(&inst, capacity)),
+                };
                 let share = if k == 0 {
                     slice
                 } else {
                     let (num, den) = schedule.improve_share;
                     slice.saturating_mul(num) / den
                 };
-                let mut probe = share.max(1).min(left);
-                let before = probe;
-                let order =
-                    (schedule.one_order && k > 0).then_some((round / 2 + k) % PREORDERS.len());
-                let outcome = decider.decide(capacity, &mut probe, order);
-                left -= before - probe;
+                let given = share.max(1).min(left);
+                let (outcome, used) = probe.run(given, &mut clock);
+                left -= used;
+                if outcome == Outcome::Stopped && given == left + used && used < given {
+                    // What is left is too little for the probe's next step.
+                    break 'search false;
+                }
                 match outcome {
-                    Outcome::Found => best = self.plan_of(&inst, &best, decider.solution()),
+                    Outcome::Found => best = self.plan_of(&inst, &best, probe.solution()),
                     Outcome::Infeasible => lo = capacity + alignment,
                     Outcome::Stopped => {}
                 }
             }
             slice = slice.saturating_mul(2);
-            round += 1;
         };
         Searched {
             plan: best,

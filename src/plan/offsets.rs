@@ -11,7 +11,8 @@ use super::greedy::Greedy;
 use super::{Algorithm, OffsetPlan, PlanOutcome, Problem};
 
 /// Inputs with more nonzero allocations than this are left to the heuristics (the search
-/// recurses once per allocation placed, and its tables grow with the allocations live at once).
+/// keeps an order of the unplaced allocations for each allocation placed, and its tables grow
+/// with the allocations live at once).
 pub(crate) const SEARCH_LIMIT: usize = 4096;
 /// Most greedy passes in perturbed orders before the search (half the budget at most).
 const PERTURBED_PASSES: u64 = 64;
