@@ -22,6 +22,7 @@ mod free_index;
 pub mod graph;
 pub mod history;
 mod limit;
+mod live;
 mod policy;
 pub mod shard;
 pub mod size;

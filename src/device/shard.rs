@@ -11,12 +11,10 @@
 //! - a block is in its pool's free index exactly when its state is [`State::Free`];
 //! - `live` maps the address of every allocated block (state [`State::Allocated`]) to its id.
 
-use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
-
 use parking_lot::{Mutex, MutexGuard};
 
 use super::free_index::FreeIndex;
+use super::live::LiveTable;
 use super::size::{should_split, PoolKind};
 use super::stats::{aggregate, of_pool, StatKind, OVERSIZE_ALLOCATIONS, OVERSIZE_SEGMENTS};
 use crate::driver::{Event, Stream};
@@ -62,26 +60,6 @@ pub(crate) struct Block {
 impl Block {
     pub(crate) fn is_split(&self) -> bool {
         self.prev != NONE || self.next != NONE
-    }
-}
-
-/// Hasher for block addresses: addresses are 512-byte aligned and distinct, so one
-/// multiply spreads them well; SipHash would cost more than the rest of a lookup.
-#[derive(Default)]
-pub(crate) struct AddrHasher(u64);
-
-impl Hasher for AddrHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = (self.0 ^ b as u64).wrapping_mul(0x100_0000_01b3);
-        }
-    }
-    fn write_usize(&mut self, n: usize) {
-        let m = (n as u128).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-        self.0 = (m as u64) ^ ((m >> 64) as u64);
     }
 }
 
@@ -292,7 +270,7 @@ pub(crate) struct ShardInner {
     small: FreeIndex,
     large: FreeIndex,
     /// Allocated blocks by address.
-    pub live: HashMap<usize, u32, BuildHasherDefault<AddrHasher>>,
+    pub live: LiveTable,
     /// Events recorded for blocks in [`State::AwaitingEvents`].
     pub pending: Vec<(Event, u32)>,
     /// Expandable segments of the shard.
