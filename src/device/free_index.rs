@@ -47,7 +47,7 @@ impl FreeIndex {
         self.generation
     }
 
-    #[inline]
+    #[inline(always)]
     pub fn insert(&mut self, key: Key) {
         self.generation += 1;
         match bin_of(key.0) {
@@ -56,7 +56,7 @@ impl FreeIndex {
         }
     }
 
-    #[inline]
+    #[inline(always)]
     pub fn remove(&mut self, key: &Key) -> bool {
         self.generation += 1;
         match bin_of(key.0) {
@@ -73,7 +73,7 @@ impl FreeIndex {
 
     /// The smallest key at or above `from`, with where it lies, so that
     /// [`FreeIndex::remove_found`] takes it out without searching again.
-    #[inline]
+    #[inline(always)]
     pub fn find(&self, from: Key) -> Option<Found> {
         let binned = if from.0 <= BINNED_MAX {
             self.bins
@@ -92,7 +92,7 @@ impl FreeIndex {
     }
 
     /// Removes the key `found` by [`FreeIndex::find`], with no change to the index since.
-    #[inline]
+    #[inline(always)]
     pub fn remove_found(&mut self, found: &Found) {
         match found.at {
             Some((class, at)) => {
@@ -228,6 +228,7 @@ impl Bins {
         self.lists[bin / 64].as_ref().map_or(&[], |g| &g[bin % 64])
     }
 
+    #[inline(always)]
     fn insert(&mut self, bin: usize, entry: (usize, u32)) {
         let (g, b) = (bin / 64, bin % 64);
         let list = &mut self.lists[g]
@@ -242,6 +243,7 @@ impl Bins {
         self.used.set(bin);
     }
 
+    #[inline(always)]
     fn remove(&mut self, bin: usize, entry: (usize, u32)) -> bool {
         let (g, b) = (bin / 64, bin % 64);
         let Some(group) = self.lists[g].as_mut() else {
@@ -264,7 +266,7 @@ impl Bins {
         true
     }
 
-    #[inline]
+    #[inline(always)]
     fn first_at_least(&self, from: Key) -> Option<Key> {
         let key = |bin: usize, (addr, id): (usize, u32)| ((bin + 1) * STEP, addr, id);
         // Bins of sizes above `from.0`: their lowest entry.
@@ -345,14 +347,14 @@ impl Classes {
             [class % 64]
     }
 
-    #[inline]
+    #[inline(always)]
     fn insert(&mut self, key: Key) {
         let class = class_of(key.0);
         self.class_mut(class).insert(key);
         self.map.set(class);
     }
 
-    #[inline]
+    #[inline(always)]
     fn remove(&mut self, key: &Key) -> bool {
         let class = class_of(key.0);
         if !self.map.contains(class) {
@@ -367,7 +369,7 @@ impl Classes {
     }
 
     /// Removes `key`, at position `at` of class `class`'s sorted vector.
-    #[inline]
+    #[inline(always)]
     fn remove_at(&mut self, class: usize, at: usize, key: &Key) {
         let list = self.class_mut(class);
         match list {
@@ -384,7 +386,7 @@ impl Classes {
         }
     }
 
-    #[inline]
+    #[inline(always)]
     fn find(&self, from: Key) -> Option<Found> {
         let class = class_of(from.0);
         if self.map.contains(class) {
@@ -431,7 +433,7 @@ impl Ordered {
         }
     }
 
-    #[inline]
+    #[inline(always)]
     fn insert(&mut self, key: Key) {
         match self {
             Ordered::Sorted(v) => {
@@ -451,7 +453,7 @@ impl Ordered {
         }
     }
 
-    #[inline]
+    #[inline(always)]
     fn remove(&mut self, key: &Key) -> bool {
         match self {
             Ordered::Sorted(v) if v.last() == Some(key) => {
@@ -478,7 +480,7 @@ impl Ordered {
     }
 
     /// The first key at or above `from`, with its position if the keys are in a vector.
-    #[inline]
+    #[inline(always)]
     fn find(&self, from: Key) -> Option<(Key, Option<usize>)> {
         match self {
             Ordered::Sorted(v) => {

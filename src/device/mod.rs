@@ -238,6 +238,7 @@ impl DeviceAllocator {
         &self.driver
     }
 
+    #[inline(always)]
     fn shard(&self, stream: Stream) -> Result<&Shard> {
         self.shards.get_or_insert(stream, |index| Shard {
             stream,
@@ -533,6 +534,7 @@ impl DeviceAllocator {
         self.unallocate_from(shard, shard.inner.lock(), ptr)
     }
 
+    #[inline(always)]
     fn unallocate_from<'a>(
         &'a self,
         shard: &'a Shard,
@@ -543,6 +545,7 @@ impl DeviceAllocator {
         Some((shard, inner, id))
     }
 
+    #[inline(always)]
     fn finish_free(
         &self,
         shard: &Shard,

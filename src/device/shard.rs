@@ -287,6 +287,7 @@ pub(crate) struct ShardInner {
 }
 
 impl ShardInner {
+    #[inline(always)]
     pub(super) fn new_block(&mut self, block: Block) -> u32 {
         match self.spare.pop() {
             Some(id) => {
@@ -330,6 +331,7 @@ impl ShardInner {
         }
     }
 
+    #[inline(always)]
     pub(super) fn insert_free(&mut self, id: u32) {
         let b = &self.blocks[id as usize];
         let key = (b.size, b.addr, id);
@@ -337,6 +339,7 @@ impl ShardInner {
         self.index_of(pool).insert(key);
     }
 
+    #[inline(always)]
     pub(super) fn remove_free(&mut self, id: u32) {
         let b = &self.blocks[id as usize];
         let key = (b.size, b.addr, id);
@@ -345,6 +348,7 @@ impl ShardInner {
     }
 
     /// Takes the best-fitting free block for `rounded` bytes out of `pool`, if one may serve it.
+    #[inline(always)]
     pub fn take_best_fit(
         &mut self,
         pool: PoolKind,
@@ -398,6 +402,7 @@ impl ShardInner {
     }
 
     /// How block `id` (out of the pools) serves `rounded` bytes.
+    #[inline(always)]
     fn plan(&self, id: u32, rounded: usize, max_split_size: usize) -> Memo {
         let b = &self.blocks[id as usize];
         let split = if b.exp == NONE {
@@ -424,6 +429,7 @@ impl ShardInner {
     /// Hands block `id` (out of the pools) to a client for `requested` bytes rounded to
     /// `rounded`, splitting off the rest when it is worth keeping. `from_index`: the block was
     /// just taken from its free index by [`ShardInner::take_best_fit`] (it may become the memo).
+    #[inline(always)]
     pub fn allocate(
         &mut self,
         id: u32,
@@ -444,6 +450,7 @@ impl ShardInner {
     }
 
     /// The block changes of handing out a block as `plan` says (no statistics).
+    #[inline(always)]
     fn carve(&mut self, plan: &Memo, requested: usize) -> usize {
         let id = plan.id;
         if plan.split {
@@ -588,6 +595,7 @@ impl ShardInner {
 
     /// The client frees the allocated block at `addr`. Returns its id, or `None` if no block
     /// of this shard is allocated there. The block stays active until [`ShardInner::release`].
+    #[inline(always)]
     pub fn unallocate(
         &mut self,
         addr: usize,
@@ -603,6 +611,7 @@ impl ShardInner {
     }
 
     /// Returns a freed block to its pool, merging it with free neighbours.
+    #[inline(always)]
     pub fn release(&mut self, id: u32, stats: &mut impl StatSink) {
         let (pool, size) = {
             let b = &mut self.blocks[id as usize];
