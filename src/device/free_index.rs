@@ -137,7 +137,9 @@ pub(crate) struct Found {
 /// The bin of blocks of exactly `size` bytes, if such sizes are binned.
 #[inline]
 fn bin_of(size: usize) -> Option<usize> {
-    (size.is_multiple_of(STEP) && (STEP..=BINNED_MAX).contains(&size)).then(|| size / STEP - 1)
+    // Size 0 wraps to a bin past the last.
+    let bin = (size / STEP).wrapping_sub(1);
+    (size.is_multiple_of(STEP) && bin < BINS).then_some(bin)
 }
 
 /// A set of up to 64 × 64 numbers, with the next member at or after a number in a few
@@ -231,8 +233,10 @@ impl Bins {
     #[inline(always)]
     fn insert(&mut self, bin: usize, entry: (usize, u32)) {
         let (g, b) = (bin / 64, bin % 64);
-        let list = &mut self.lists[g]
-            .get_or_insert_with(|| Box::new(std::array::from_fn(|_| Vec::new())))[b];
+        let list = match &mut self.lists[g] {
+            Some(group) => &mut group[b],
+            None => &mut Self::new_group(&mut self.lists[g])[b],
+        };
         // The usual case: the lowest address of its size (a block given back where it was taken).
         if list.last().is_none_or(|last| *last > entry) {
             list.push(entry);
@@ -244,6 +248,11 @@ impl Bins {
     }
 
     #[inline(always)]
+    #[cold]
+    fn new_group(slot: &mut Option<Box<Group>>) -> &mut Group {
+        slot.insert(Box::new(std::array::from_fn(|_| Vec::new())))
+    }
+
     fn remove(&mut self, bin: usize, entry: (usize, u32)) -> bool {
         let (g, b) = (bin / 64, bin % 64);
         let Some(group) = self.lists[g].as_mut() else {
@@ -332,7 +341,7 @@ impl Default for Classes {
 
 impl Classes {
     /// Class `class`, which is in use.
-    #[inline]
+    #[inline(always)]
     fn class(&self, class: usize) -> &Ordered {
         match &self.lists[class / 64] {
             Some(g) => &g[class % 64],
@@ -340,17 +349,34 @@ impl Classes {
         }
     }
 
-    #[inline]
+    /// Class `class`, which is in use.
+    #[inline(always)]
     fn class_mut(&mut self, class: usize) -> &mut Ordered {
-        &mut self.lists[class / 64]
-            .get_or_insert_with(|| Box::new(std::array::from_fn(|_| Ordered::default())))
-            [class % 64]
+        match &mut self.lists[class / 64] {
+            Some(g) => &mut g[class % 64],
+            None => unreachable!("a class in use has its group"),
+        }
+    }
+
+    /// Class `class`, its group made if it has none yet.
+    #[inline(always)]
+    fn class_or_new(&mut self, class: usize) -> &mut Ordered {
+        let slot = &mut self.lists[class / 64];
+        match slot {
+            Some(g) => &mut g[class % 64],
+            None => &mut Self::new_group(slot)[class % 64],
+        }
+    }
+
+    #[cold]
+    fn new_group(slot: &mut Option<Box<ClassGroup>>) -> &mut ClassGroup {
+        slot.insert(Box::new(std::array::from_fn(|_| Ordered::default())))
     }
 
     #[inline(always)]
     fn insert(&mut self, key: Key) {
         let class = class_of(key.0);
-        self.class_mut(class).insert(key);
+        self.class_or_new(class).insert(key);
         self.map.set(class);
     }
 
