@@ -104,8 +104,8 @@ impl StatSink for Sink<'_> {
 /// segment): statistics that pass their limits are only marked, and settled once when the
 /// operation's sink is dropped, still under the shard's lock, rather than once per statistic.
 /// Exact because in these operations a statistic that rises past its limit ends at its
-/// highest value (decreases come first), so the settle sees the operation's peak as the
-/// shard's current state.
+/// highest value (each changes once, or decreases come first), so the settle sees the
+/// operation's peak as the shard's current state.
 struct OpSink<'a> {
     alloc: &'a DeviceAllocator,
     shard: &'a Shard,
@@ -116,13 +116,6 @@ impl StatSink for OpSink<'_> {
     #[inline(always)]
     fn change(&mut self, index: usize, delta: i64) {
         if self.shard.stats.change(index, delta) {
-            self.over = true;
-        }
-    }
-
-    #[inline(always)]
-    fn down_up(&mut self, index: usize, down: i64, up: i64) {
-        if self.shard.stats.down_up(index, down, up) {
             self.over = true;
         }
     }

@@ -72,22 +72,6 @@ pub(crate) trait StatSink {
         self.change(aggregate(kind), delta);
         self.change(of_pool(kind, pool), delta);
     }
-
-    /// A decrease by `down` then an increase by `up` of statistic `index`, as one change
-    /// where the sink can make it so (the current value never passes the final one, so
-    /// the peak is the same; `up` still counts as allocated).
-    #[inline(always)]
-    fn down_up(&mut self, index: usize, down: i64, up: i64) {
-        self.change(index, -down);
-        self.change(index, up);
-    }
-
-    /// [`StatSink::down_up`] of a kind's aggregate and pool statistics.
-    #[inline(always)]
-    fn both_down_up(&mut self, kind: StatKind, pool: PoolKind, down: i64, up: i64) {
-        self.down_up(aggregate(kind), down, up);
-        self.down_up(of_pool(kind, pool), down, up);
-    }
 }
 
 /// How a block taken from a free index was (or will be) handed out: the block as it was in
@@ -139,9 +123,10 @@ impl Memo {
         let pool = self.pool;
         let rest = (self.size - self.rounded) as i64;
         match (self.was_split, self.split) {
+            // The inactive block shrinks by what is handed out (one net change, as PyTorch
+            // makes it: accumulated totals count only that).
             (true, true) => {
-                stats.both_down_up(StatKind::InactiveSplit, pool, 1, 1);
-                stats.both_down_up(StatKind::InactiveSplitBytes, pool, self.size as i64, rest);
+                stats.both(StatKind::InactiveSplitBytes, pool, -(self.rounded as i64));
             }
             (true, false) => {
                 stats.both(StatKind::InactiveSplit, pool, -1);
@@ -174,9 +159,9 @@ impl Memo {
         deactivation_stats(pool, given, stats);
         let rest = (self.size - self.rounded) as i64;
         match (self.split, self.was_split) {
+            // The rest merges back: the inactive block grows by what was handed out.
             (true, true) => {
-                stats.both_down_up(StatKind::InactiveSplit, pool, 1, 1);
-                stats.both_down_up(StatKind::InactiveSplitBytes, pool, rest, self.size as i64);
+                stats.both(StatKind::InactiveSplitBytes, pool, self.rounded as i64);
             }
             (true, false) => {
                 stats.both(StatKind::InactiveSplit, pool, -1);
@@ -625,6 +610,10 @@ impl ShardInner {
         self.blocks[id as usize].freed_at = freed_at;
         deactivation_stats(pool, size, stats);
 
+        // Inactive split blocks and bytes change once, by the net of the merges and the
+        // block's own return, as PyTorch changes them (their accumulated totals count only
+        // the net; current values and peaks are the same either way).
+        let (mut net_blocks, mut net_bytes) = (0i64, 0i64);
         let prev = self.blocks[id as usize].prev;
         if prev != NONE && self.blocks[prev as usize].state == State::Free {
             self.remove_free(prev);
@@ -632,8 +621,8 @@ impl ShardInner {
                 let p = &self.blocks[prev as usize];
                 (p.addr, p.size, p.prev)
             };
-            stats.both(StatKind::InactiveSplit, pool, -1);
-            stats.both(StatKind::InactiveSplitBytes, pool, -(psize as i64));
+            net_blocks -= 1;
+            net_bytes -= psize as i64;
             let b = &mut self.blocks[id as usize];
             b.addr = paddr;
             b.size += psize;
@@ -650,8 +639,8 @@ impl ShardInner {
                 let n = &self.blocks[next as usize];
                 (n.size, n.next)
             };
-            stats.both(StatKind::InactiveSplit, pool, -1);
-            stats.both(StatKind::InactiveSplitBytes, pool, -(nsize as i64));
+            net_blocks -= 1;
+            net_bytes -= nsize as i64;
             let b = &mut self.blocks[id as usize];
             b.size += nsize;
             b.next = nnext;
@@ -662,9 +651,14 @@ impl ShardInner {
         }
         let b = &self.blocks[id as usize];
         if b.is_split() {
-            let size = b.size as i64;
-            stats.both(StatKind::InactiveSplit, pool, 1);
-            stats.both(StatKind::InactiveSplitBytes, pool, size);
+            net_blocks += 1;
+            net_bytes += b.size as i64;
+        }
+        if net_blocks != 0 {
+            stats.both(StatKind::InactiveSplit, pool, net_blocks);
+        }
+        if net_bytes != 0 {
+            stats.both(StatKind::InactiveSplitBytes, pool, net_bytes);
         }
         self.insert_free(id);
     }

@@ -214,26 +214,6 @@ impl ShardStats {
         false
     }
 
-    /// A decrease of statistic `index` by `down` then an increase by `up`, as one change: the
-    /// value in between is below both ends, so the peak and the limit check see only the
-    /// final value. `up` counts as allocated. Returns what [`ShardStats::change`] returns.
-    #[inline(always)]
-    pub fn down_up(&self, index: usize, down: i64, up: i64) -> bool {
-        let cell = &self.cells[index];
-        let delta = up - down;
-        let current = cell.current.load(Relaxed) + delta;
-        if delta != 0 {
-            cell.current.store(current, Relaxed);
-        }
-        cell.allocated
-            .store(cell.allocated.load(Relaxed) + up, Relaxed);
-        if delta > 0 && current > cell.limit.load(Relaxed) {
-            self.mark_over(index, current);
-            return true;
-        }
-        false
-    }
-
     #[cold]
     #[inline(never)]
     fn mark_over(&self, index: usize, current: i64) {
@@ -445,50 +425,5 @@ impl Default for DeviceCounters {
 impl DeviceCounters {
     pub fn bump(counter: &AtomicI64) {
         counter.fetch_add(1, Relaxed);
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn cell_state(s: &ShardStats, i: usize) -> (i64, i64, i64, u32, i64) {
-        let c = &s.cells[i];
-        (
-            c.current.load(Relaxed),
-            c.allocated.load(Relaxed),
-            c.freed(),
-            s.over.load(Relaxed),
-            s.high[i].load(Relaxed),
-        )
-    }
-
-    /// A fused decrease-then-increase leaves current, allocated, freed, overdraft marks and
-    /// the highest unsettled value exactly as the two changes would.
-    #[test]
-    fn down_up_is_the_two_changes_in_one() {
-        for (start, limit, down, up) in [
-            (10, 12, 4, 1),
-            (10, 12, 4, 4),
-            (10, 12, 4, 7),
-            (10, 12, 1, 1),
-            (10, 10, 2, 3),
-            (0, 0, 0, 5),
-            (7, 20, 7, 2),
-        ] {
-            let (fused, split) = (ShardStats::default(), ShardStats::default());
-            for s in [&fused, &split] {
-                s.change(3, start);
-                s.cells[3].limit.store(limit, Relaxed);
-                s.over.store(0, Relaxed);
-            }
-            let a = fused.down_up(3, down, up);
-            let b = {
-                let first = split.change(3, -down);
-                split.change(3, up) || first
-            };
-            assert_eq!(a, b, "{start} {limit} -{down} +{up}");
-            assert_eq!(cell_state(&fused, 3), cell_state(&split, 3));
-        }
     }
 }
