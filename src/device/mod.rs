@@ -282,8 +282,7 @@ impl DeviceAllocator {
     /// or another shard has an overdraft waiting, so that every shard must be settled. The
     /// caller holds the settle lock and `home`'s lock.
     fn settle_from_donors(&self, home: &Shard) -> bool {
-        home.stats.raise_top();
-        let mut wanted = home.stats.wanted();
+        let mut wanted = home.stats.raise_top_wanted();
         for donor in self.shards.iter() {
             // A donor that shows no headroom of what is wanted is not locked. Its counters are
             // read without its lock, so the look may be stale: a donor skipped wrongly only
