@@ -137,6 +137,37 @@ fn freed_neighbours_merge_back_into_one_block() {
     a.free(r, Some(0)).unwrap();
 }
 
+/// PyTorch counts a split block that shrinks as the same inactive block, and a free by its
+/// net effect, so `inactive_split.*.allocated`/`freed` count blocks that appeared and went.
+#[test]
+fn inactive_split_counters_count_net_changes_as_pytorch_does() {
+    let (_sim, a) = alloc(64 * MIB);
+    // The first request splits the segment: one inactive split block appears.
+    let p = a.malloc(4 * KIB, 0).unwrap();
+    // The second shrinks that block; it stays one block, 4 KiB smaller.
+    let q = a.malloc(4 * KIB, 0).unwrap();
+    let s = stats(&a);
+    assert_eq!(s.inactive_split[AGG].allocated, 1);
+    assert_eq!(s.inactive_split[AGG].freed, 0);
+    assert_eq!(
+        s.inactive_split_bytes[AGG].allocated,
+        (2 * MIB - 4 * KIB) as i64
+    );
+    assert_eq!(s.inactive_split_bytes[AGG].freed, 4 * KIB as i64);
+    // Freeing q merges it into the free rest: still one inactive block, 4 KiB larger.
+    a.free(q, Some(0)).unwrap();
+    let s = stats(&a);
+    assert_eq!(s.inactive_split[AGG].allocated, 1);
+    assert_eq!(s.inactive_split[AGG].freed, 0);
+    assert_eq!(s.inactive_split_bytes[AGG].allocated, (2 * MIB) as i64);
+    // Freeing p merges everything into one unsplit block: the inactive block goes.
+    a.free(p, Some(0)).unwrap();
+    let s = stats(&a);
+    assert_eq!(s.inactive_split[AGG].freed, 1);
+    assert_eq!(s.inactive_split_bytes[AGG].freed, (2 * MIB) as i64);
+    assert_eq!(s.inactive_split_bytes[AGG].current, 0);
+}
+
 #[test]
 fn large_pool_keeps_a_remainder_only_when_over_1mib() {
     let (_sim, a) = alloc(256 * MIB);

@@ -5,7 +5,7 @@ mod support;
 
 use std::process::Command;
 
-use support::{cc, root, run};
+use support::{cc, fetched_dir, root, run};
 
 fn cxx() -> String {
     std::env::var("CXX").unwrap_or_else(|_| "c++".to_string())
@@ -39,24 +39,10 @@ fn header_compiles_alone_as_cpp17() {
     compile_alone(cxx(), "-std=c++17", "c++");
 }
 
-/// A directory of downloaded headers: `$var`, else `target/<default>`, filled by `script`;
-/// `probe` is a file it must hold.
-fn fetched_include_dir(var: &str, default: &str, probe: &str, script: &str) -> std::path::PathBuf {
-    let dir = std::env::var_os(var)
-        .map(Into::into)
-        .unwrap_or_else(|| root().join("target").join(default));
-    assert!(
-        dir.join(probe).exists(),
-        "{probe} is not in {}: run {script} (or set {var})",
-        dir.display()
-    );
-    dir
-}
-
 /// NVIDIA's CUDA headers, which `scripts/fetch-cuda-headers` takes from the
 /// `nvidia-cuda-runtime` wheel.
 fn cuda_include_dir() -> std::path::PathBuf {
-    fetched_include_dir(
+    fetched_dir(
         "CUDA_INCLUDE_DIR",
         "cuda-include",
         "cuda_runtime_api.h",
@@ -141,7 +127,7 @@ fn committed_header_matches_the_generated_one() {
 /// PyTorch's C++ headers, which `scripts/fetch-torch-headers` takes from the pinned torch
 /// wheel.
 fn torch_include_dir() -> std::path::PathBuf {
-    fetched_include_dir(
+    fetched_dir(
         "TORCH_INCLUDE_DIR",
         "torch-include",
         "torch/csrc/cuda/CUDAPluggableAllocator.h",

@@ -123,11 +123,8 @@ impl Memo {
         let pool = self.pool;
         let rest = (self.size - self.rounded) as i64;
         match (self.was_split, self.split) {
-            // The inactive block shrinks by what is handed out (one net change, as PyTorch
-            // makes it: accumulated totals count only that).
-            (true, true) => {
-                stats.both(StatKind::InactiveSplitBytes, pool, -(self.rounded as i64));
-            }
+            // An inactive split block shrinks by what is handed out; it stays one block.
+            (true, true) => stats.both(StatKind::InactiveSplitBytes, pool, -(self.rounded as i64)),
             (true, false) => {
                 stats.both(StatKind::InactiveSplit, pool, -1);
                 stats.both(StatKind::InactiveSplitBytes, pool, -(self.size as i64));
@@ -159,10 +156,9 @@ impl Memo {
         deactivation_stats(pool, given, stats);
         let rest = (self.size - self.rounded) as i64;
         match (self.split, self.was_split) {
-            // The rest merges back: the inactive block grows by what was handed out.
-            (true, true) => {
-                stats.both(StatKind::InactiveSplitBytes, pool, self.rounded as i64);
-            }
+            // Merging the rest back: one inactive split block before and after, grown by
+            // the block (the net change, as `release` makes it).
+            (true, true) => stats.both(StatKind::InactiveSplitBytes, pool, self.rounded as i64),
             (true, false) => {
                 stats.both(StatKind::InactiveSplit, pool, -1);
                 stats.both(StatKind::InactiveSplitBytes, pool, -rest);
@@ -610,10 +606,7 @@ impl ShardInner {
         self.blocks[id as usize].freed_at = freed_at;
         deactivation_stats(pool, size, stats);
 
-        // Inactive split blocks and bytes change once, by the net of the merges and the
-        // block's own return, as PyTorch changes them (their accumulated totals count only
-        // the net; current values and peaks are the same either way).
-        let (mut net_blocks, mut net_bytes) = (0i64, 0i64);
+        let (mut merged, mut merged_bytes) = (0i64, 0i64);
         let prev = self.blocks[id as usize].prev;
         if prev != NONE && self.blocks[prev as usize].state == State::Free {
             self.remove_free(prev);
@@ -621,8 +614,8 @@ impl ShardInner {
                 let p = &self.blocks[prev as usize];
                 (p.addr, p.size, p.prev)
             };
-            net_blocks -= 1;
-            net_bytes -= psize as i64;
+            merged += 1;
+            merged_bytes += psize as i64;
             let b = &mut self.blocks[id as usize];
             b.addr = paddr;
             b.size += psize;
@@ -639,8 +632,8 @@ impl ShardInner {
                 let n = &self.blocks[next as usize];
                 (n.size, n.next)
             };
-            net_blocks -= 1;
-            net_bytes -= nsize as i64;
+            merged += 1;
+            merged_bytes += nsize as i64;
             let b = &mut self.blocks[id as usize];
             b.size += nsize;
             b.next = nnext;
@@ -649,16 +642,25 @@ impl ShardInner {
             }
             self.drop_block(next);
         }
+        // The inactive-split statistics change by the net effect of the free, as PyTorch's
+        // do: merged neighbours leave, the merged block joins if it is still split. The
+        // current values would be the same either way; the counters of bytes and blocks
+        // allocated and freed are not.
         let b = &self.blocks[id as usize];
-        if b.is_split() {
-            net_blocks += 1;
-            net_bytes += b.size as i64;
+        let (joins, join_bytes) = if b.is_split() {
+            (1, b.size as i64)
+        } else {
+            (0, 0)
+        };
+        if joins != merged {
+            stats.both(StatKind::InactiveSplit, pool, joins - merged);
         }
-        if net_blocks != 0 {
-            stats.both(StatKind::InactiveSplit, pool, net_blocks);
-        }
-        if net_bytes != 0 {
-            stats.both(StatKind::InactiveSplitBytes, pool, net_bytes);
+        if join_bytes != merged_bytes {
+            stats.both(
+                StatKind::InactiveSplitBytes,
+                pool,
+                join_bytes - merged_bytes,
+            );
         }
         self.insert_free(id);
     }

@@ -26,6 +26,20 @@ pub fn lib_dir() -> PathBuf {
     dir.to_path_buf()
 }
 
+/// A directory of downloaded files: `$var`, else `target/<default>`, filled by `script`;
+/// `probe` is a file it must hold.
+pub fn fetched_dir(var: &str, default: &str, probe: &str, script: &str) -> PathBuf {
+    let dir = std::env::var_os(var)
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root().join("target").join(default));
+    assert!(
+        dir.join(probe).exists(),
+        "{probe} is not in {}: run {script} (or set {var})",
+        dir.display()
+    );
+    dir
+}
+
 /// The C compiler: `$CC`, else `cc`.
 pub fn cc() -> String {
     std::env::var("CC").unwrap_or_else(|_| "cc".to_string())
