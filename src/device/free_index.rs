@@ -247,12 +247,12 @@ impl Bins {
         self.used.set(bin);
     }
 
-    #[inline(always)]
     #[cold]
     fn new_group(slot: &mut Option<Box<Group>>) -> &mut Group {
         slot.insert(Box::new(std::array::from_fn(|_| Vec::new())))
     }
 
+    #[inline(always)]
     fn remove(&mut self, bin: usize, entry: (usize, u32)) -> bool {
         let (g, b) = (bin / 64, bin % 64);
         let Some(group) = self.lists[g].as_mut() else {

@@ -59,7 +59,7 @@ impl LiveTable {
     }
 
     /// Maps `addr` to `id`; returns the id it mapped to before.
-    #[inline]
+    #[inline(always)]
     pub fn insert(&mut self, addr: usize, id: u32) -> Option<u32> {
         if addr == 0 {
             return self.zero.replace(id);
@@ -99,7 +99,7 @@ impl LiveTable {
     }
 
     /// Removes `addr`; returns its id, if it was mapped.
-    #[inline]
+    #[inline(always)]
     pub fn remove(&mut self, addr: &usize) -> Option<u32> {
         if *addr == 0 {
             return self.zero.take();

@@ -282,6 +282,7 @@ impl ShardInner {
         }
     }
 
+    #[inline(always)]
     pub(super) fn drop_block(&mut self, id: u32) {
         let b = &mut self.blocks[id as usize];
         b.prev = NONE;
