@@ -82,7 +82,7 @@ impl FreeIndex {
         } else {
             None
         };
-        if self.classes.map.is_empty() {
+        if self.classes.0.used.is_empty() {
             return binned;
         }
         match (binned, self.classes.find(from)) {
@@ -206,37 +206,62 @@ impl Bitmap {
     }
 }
 
-/// The bins of 64 consecutive sizes: (address, id), highest first.
-type Group = [Vec<(usize, u32)>; 64];
-
-/// One list of blocks per binned size, with a bitmap of the lists that are not empty.
-struct Bins {
+/// 64 × 64 numbered slots of `T`, made in groups of 64 when first used, with a bitmap of the
+/// slots in use (whose content the owner keeps non-empty).
+struct Slots<T> {
     used: Bitmap,
-    /// Groups of bins, made when first used.
-    lists: [Option<Box<Group>>; 64],
+    groups: [Option<Box<[T; 64]>>; 64],
 }
 
-impl Default for Bins {
+impl<T: Default> Default for Slots<T> {
     fn default() -> Self {
-        Bins {
+        Slots {
             used: Bitmap::default(),
-            lists: std::array::from_fn(|_| None),
+            groups: std::array::from_fn(|_| None),
         }
     }
 }
 
+impl<T: Default> Slots<T> {
+    /// Slot `n`, if its group was made.
+    #[inline(always)]
+    fn get(&self, n: usize) -> Option<&T> {
+        self.groups[n / 64].as_ref().map(|g| &g[n % 64])
+    }
+
+    #[inline(always)]
+    fn get_mut(&mut self, n: usize) -> Option<&mut T> {
+        self.groups[n / 64].as_mut().map(|g| &mut g[n % 64])
+    }
+
+    /// Slot `n`, its group made if it has none yet.
+    #[inline(always)]
+    fn get_or_new(&mut self, n: usize) -> &mut T {
+        let group = &mut self.groups[n / 64];
+        match group {
+            Some(g) => &mut g[n % 64],
+            None => &mut Self::new_group(group)[n % 64],
+        }
+    }
+
+    #[cold]
+    fn new_group(group: &mut Option<Box<[T; 64]>>) -> &mut [T; 64] {
+        group.insert(Box::new(std::array::from_fn(|_| T::default())))
+    }
+}
+
+/// One list of blocks per binned size, (address, id) highest first.
+#[derive(Default)]
+struct Bins(Slots<Vec<(usize, u32)>>);
+
 impl Bins {
     fn list(&self, bin: usize) -> &[(usize, u32)] {
-        self.lists[bin / 64].as_ref().map_or(&[], |g| &g[bin % 64])
+        self.0.get(bin).map_or(&[], |v| v)
     }
 
     #[inline(always)]
     fn insert(&mut self, bin: usize, entry: (usize, u32)) {
-        let (g, b) = (bin / 64, bin % 64);
-        let list = match &mut self.lists[g] {
-            Some(group) => &mut group[b],
-            None => &mut Self::new_group(&mut self.lists[g])[b],
-        };
+        let list = self.0.get_or_new(bin);
         // The usual case: the lowest address of its size (a block given back where it was taken).
         if list.last().is_none_or(|last| *last > entry) {
             list.push(entry);
@@ -244,21 +269,14 @@ impl Bins {
             let at = list.partition_point(|e| *e > entry);
             list.insert(at, entry);
         }
-        self.used.set(bin);
-    }
-
-    #[cold]
-    fn new_group(slot: &mut Option<Box<Group>>) -> &mut Group {
-        slot.insert(Box::new(std::array::from_fn(|_| Vec::new())))
+        self.0.used.set(bin);
     }
 
     #[inline(always)]
     fn remove(&mut self, bin: usize, entry: (usize, u32)) -> bool {
-        let (g, b) = (bin / 64, bin % 64);
-        let Some(group) = self.lists[g].as_mut() else {
+        let Some(list) = self.0.get_mut(bin) else {
             return false;
         };
-        let list = &mut group[b];
         if list.last() == Some(&entry) {
             list.pop();
         } else {
@@ -270,7 +288,7 @@ impl Bins {
             }
         }
         if list.is_empty() {
-            self.used.clear(bin);
+            self.0.used.clear(bin);
         }
         true
     }
@@ -280,7 +298,7 @@ impl Bins {
         let key = |bin: usize, (addr, id): (usize, u32)| ((bin + 1) * STEP, addr, id);
         // Bins of sizes above `from.0`: their lowest entry.
         let above = |bin: usize| {
-            let b = self.used.next(bin)?;
+            let b = self.0.used.next(bin)?;
             self.list(b).last().map(|&e| key(b, e))
         };
         let first = from.0.div_ceil(STEP).max(1) - 1;
@@ -298,7 +316,7 @@ impl Bins {
 
     fn iter(&self) -> impl Iterator<Item = Key> + '_ {
         (0..BINS)
-            .filter(|&b| self.used.contains(b))
+            .filter(|&b| self.0.used.contains(b))
             .flat_map(move |b| {
                 self.list(b)
                     .iter()
@@ -320,76 +338,40 @@ fn class_of(size: usize) -> usize {
     (e - 5) * 64 + ((size >> (e - 6)) & 63)
 }
 
-/// The classes of 64 consecutive class numbers.
-type ClassGroup = [Ordered; 64];
-
-/// Keys in size classes, each class in order, with a bitmap of the classes that are not empty.
-struct Classes {
-    map: Bitmap,
-    /// Groups of classes, made when first used.
-    lists: [Option<Box<ClassGroup>>; 64],
-}
-
-impl Default for Classes {
-    fn default() -> Self {
-        Classes {
-            map: Bitmap::default(),
-            lists: std::array::from_fn(|_| None),
-        }
-    }
-}
+/// Keys in size classes, each class in order.
+#[derive(Default)]
+struct Classes(Slots<Ordered>);
 
 impl Classes {
     /// Class `class`, which is in use.
     #[inline(always)]
     fn class(&self, class: usize) -> &Ordered {
-        match &self.lists[class / 64] {
-            Some(g) => &g[class % 64],
-            None => unreachable!("a class in use has its group"),
-        }
+        self.0.get(class).expect("a class in use has its group")
     }
 
     /// Class `class`, which is in use.
     #[inline(always)]
     fn class_mut(&mut self, class: usize) -> &mut Ordered {
-        match &mut self.lists[class / 64] {
-            Some(g) => &mut g[class % 64],
-            None => unreachable!("a class in use has its group"),
-        }
-    }
-
-    /// Class `class`, its group made if it has none yet.
-    #[inline(always)]
-    fn class_or_new(&mut self, class: usize) -> &mut Ordered {
-        let slot = &mut self.lists[class / 64];
-        match slot {
-            Some(g) => &mut g[class % 64],
-            None => &mut Self::new_group(slot)[class % 64],
-        }
-    }
-
-    #[cold]
-    fn new_group(slot: &mut Option<Box<ClassGroup>>) -> &mut ClassGroup {
-        slot.insert(Box::new(std::array::from_fn(|_| Ordered::default())))
+        self.0.get_mut(class).expect("a class in use has its group")
     }
 
     #[inline(always)]
     fn insert(&mut self, key: Key) {
         let class = class_of(key.0);
-        self.class_or_new(class).insert(key);
-        self.map.set(class);
+        self.0.get_or_new(class).insert(key);
+        self.0.used.set(class);
     }
 
     #[inline(always)]
     fn remove(&mut self, key: &Key) -> bool {
         let class = class_of(key.0);
-        if !self.map.contains(class) {
+        if !self.0.used.contains(class) {
             return false;
         }
         let list = self.class_mut(class);
         let removed = list.remove(key);
         if list.is_empty() {
-            self.map.clear(class);
+            self.0.used.clear(class);
         }
         removed
     }
@@ -408,14 +390,14 @@ impl Classes {
             }
         }
         if list.is_empty() {
-            self.map.clear(class);
+            self.0.used.clear(class);
         }
     }
 
     #[inline(always)]
     fn find(&self, from: Key) -> Option<Found> {
         let class = class_of(from.0);
-        if self.map.contains(class) {
+        if self.0.used.contains(class) {
             if let Some((key, at)) = self.class(class).find(from) {
                 return Some(Found {
                     key,
@@ -423,7 +405,7 @@ impl Classes {
                 });
             }
         }
-        let next = self.map.next(class + 1)?;
+        let next = self.0.used.next(class + 1)?;
         let (key, at) = self.class(next).first();
         Some(Found {
             key,
@@ -433,7 +415,7 @@ impl Classes {
 
     fn iter(&self) -> impl Iterator<Item = Key> + '_ {
         (0..BINS)
-            .filter(|&c| self.map.contains(c))
+            .filter(|&c| self.0.used.contains(c))
             .flat_map(move |c| self.class(c).iter())
     }
 }
