@@ -13,6 +13,9 @@ pub struct Config {
     /// Fraction of device capacity above which unused cached blocks are reclaimed before
     /// asking the driver for more (PyTorch's `garbage_collection_threshold`); 0 disables it.
     pub garbage_collection_threshold: f64,
+    /// PyTorch's `per_process_memory_fraction`: below 1.0, each device starts with this memory
+    /// fraction set, as if `set_per_process_memory_fraction` had been called.
+    pub per_process_memory_fraction: f64,
     /// Pin host memory by registering ordinary pages (`cuMemHostRegister`) instead of
     /// allocating pinned memory from the driver.
     pub pinned_use_host_register: bool,
@@ -52,6 +55,7 @@ impl Default for Config {
         Config {
             max_split_size: usize::MAX,
             garbage_collection_threshold: 0.0,
+            per_process_memory_fraction: 1.0,
             pinned_use_host_register: false,
             pinned_num_register_threads: 1,
             pinned_round_power2: true,
@@ -122,6 +126,15 @@ impl Config {
                     }
                     c.pinned_num_register_threads = n;
                 }
+                "per_process_memory_fraction" => {
+                    let f: f64 = value.parse().map_err(|_| bad(key, value, "a number"))?;
+                    if !(0.0..=1.0).contains(&f) {
+                        return Err(Error::Config(format!(
+                            "per_process_memory_fraction must be between 0.0 and 1.0, got {value}"
+                        )));
+                    }
+                    c.per_process_memory_fraction = f;
+                }
                 "expandable_segments" => c.expandable_segments = parse_bool(key, value)?,
                 "policy" => {
                     c.policy = match value {
@@ -130,8 +143,15 @@ impl Config {
                         _ => return Err(bad(key, value, "`pytorch` or `compact`")),
                     }
                 }
-                "release_lock_on_cudamalloc" | "pinned_use_background_threads" => {
+                "release_lock_on_cudamalloc"
+                | "release_lock_on_hipmalloc"
+                | "pinned_use_background_threads"
+                | "pinned_use_hip_host_register"
+                | "graph_capture_record_stream_reuse" => {
                     parse_bool(key, value)?;
+                }
+                "pinned_reserve_segment_size_mb" => {
+                    parse_number::<usize>(key, value)?;
                 }
                 "backend" => {
                     if value != "native" && value != "cudaMallocAsync" {
@@ -143,7 +163,9 @@ impl Config {
                     return Err(Error::Config(format!(
                         "unknown option `{key}` (known: max_split_size_mb, garbage_collection_threshold, \
                          pinned_use_cuda_host_register, pinned_num_register_threads, expandable_segments, \
-                         policy, roundup_power2_divisions, backend, release_lock_on_cudamalloc)"
+                         policy, roundup_power2_divisions, per_process_memory_fraction, backend, \
+                         release_lock_on_cudamalloc, pinned_use_background_threads, \
+                         graph_capture_record_stream_reuse, pinned_reserve_segment_size_mb)"
                     )))
                 }
             }
@@ -184,11 +206,13 @@ fn split_top_level(text: &str) -> Vec<&str> {
     items
 }
 
-/// Parses `roundup_power2_divisions`: one number for every size, or a list
-/// `[256:1,512:2,>:4]` whose keys are sizes in MiB (powers of two, increasing): as in PyTorch,
-/// a key's value covers the sizes below it down to the previous key (1 division below 256 MiB,
-/// 2 from 256 to 512 MiB), and `>` covers everything from the last key on. Values are 0, 1 or
-/// powers of two.
+/// Parses `roundup_power2_divisions`: one number for every size, or a list such as
+/// `[256:1,512:2,>:8]` read the way PyTorch reads it. A key is a size in MiB (a power of two)
+/// and names the interval that starts there (256: requests from 256 MiB up to 512 MiB); the
+/// first key's value also covers every smaller request, `>` covers every interval above the
+/// last key, and intervals the list skips keep no rounding. So `[256:1,512:2,>:8]` leaves
+/// requests below 512 MiB alone, cuts 512 MiB–1 GiB into 2 steps and larger ones into 8.
+/// Values are 0, 1 or powers of two.
 fn parse_divisions(value: &str) -> Result<[usize; ROUNDUP_INTERVALS]> {
     const KEY: &str = "roundup_power2_divisions";
     let check = |n: usize| -> Result<usize> {
@@ -207,19 +231,18 @@ fn parse_divisions(value: &str) -> Result<[usize; ROUNDUP_INTERVALS]> {
         bad(
             KEY,
             value,
-            "a number or a bracketed list such as [256:1,512:2,>:4]",
+            "a number or a bracketed list such as [256:1,512:2,>:8]",
         )
     })?;
     let mut out = [0; ROUNDUP_INTERVALS];
-    let mut filled = 0;
+    let (mut last, mut first) = (0, true);
     for entry in list.split(',').map(str::trim).filter(|e| !e.is_empty()) {
         let (k, v) = entry
             .split_once(':')
             .ok_or_else(|| bad(KEY, entry, "`MiB:divisions` or `>:divisions`"))?;
         let n = check(parse_number(KEY, v.trim())?)?;
         if k.trim() == ">" {
-            out[filled..].fill(n);
-            filled = ROUNDUP_INTERVALS;
+            out[(last + 1).min(ROUNDUP_INTERVALS)..].fill(n);
             continue;
         }
         let mb: usize = parse_number(KEY, k.trim())?;
@@ -228,15 +251,13 @@ fn parse_divisions(value: &str) -> Result<[usize; ROUNDUP_INTERVALS]> {
                 "{KEY}: the key {mb} is not a power of two (MiB)"
             )));
         }
-        // Intervals below `mb` MiB: interval i holds sizes from 2^i MiB (0: all below 2 MiB).
-        let end = (mb.trailing_zeros() as usize).clamp(1, ROUNDUP_INTERVALS);
-        if end <= filled {
-            return Err(Error::Config(format!(
-                "{KEY}: keys must increase ({mb} MiB comes too late)"
-            )));
+        let at = (mb.trailing_zeros() as usize).min(ROUNDUP_INTERVALS - 1);
+        if first {
+            out[..at].fill(n);
+            first = false;
         }
-        out[filled..end].fill(n);
-        filled = end;
+        out[at] = n;
+        last = at;
     }
     Ok(out)
 }
@@ -330,14 +351,52 @@ mod tests {
         let c = Config::parse("max_split_size_mb:100,roundup_power2_divisions:[256:1,512:2,>:8],garbage_collection_threshold:0.5").unwrap();
         assert_eq!(c.max_split_size, 100 << 20);
         assert_eq!(c.garbage_collection_threshold, 0.5);
+        // PyTorch's reading: a key names the interval starting there.
         assert_eq!(c.divisions_for(3 << 20), 1, "below the first key");
-        assert_eq!(c.divisions_for(300 << 20), 2);
-        assert_eq!(c.divisions_for(600 << 20), 8);
+        assert_eq!(c.divisions_for(300 << 20), 1, "256 MiB up to 512 MiB");
+        assert_eq!(c.divisions_for(600 << 20), 2, "512 MiB up to 1 GiB");
+        assert_eq!(c.divisions_for(1200 << 20), 8, "above the last key");
         assert_eq!(c.divisions_for(1 << 36), 8);
+        let c = Config::parse("roundup_power2_divisions:[64:2,256:4]").unwrap();
+        assert_eq!(c.divisions_for(100 << 20), 2, "64 MiB up to 128 MiB");
+        assert_eq!(
+            c.divisions_for(200 << 20),
+            0,
+            "a skipped interval keeps no rounding"
+        );
+        assert_eq!(c.divisions_for(300 << 20), 4);
+        assert_eq!(
+            c.divisions_for(600 << 20),
+            0,
+            "nothing above the last key without `>`"
+        );
         assert!(Config::parse("roundup_power2_divisions:3").is_err());
         assert!(Config::parse("roundup_power2_divisions:[300:2]").is_err());
-        assert!(Config::parse("roundup_power2_divisions:[512:2,256:1]").is_err());
         assert!(Config::parse("roundup_power2_divisions:[256:2").is_err());
+    }
+
+    /// Every key PyTorch 2.11 reads is accepted, so a PYTORCH_CUDA_ALLOC_CONF written for it
+    /// configures tensoralloc too.
+    #[test]
+    fn pytorchs_other_keys_are_accepted_and_validated() {
+        let c = Config::parse(
+            "release_lock_on_cudamalloc:True,release_lock_on_hipmalloc:False,\
+             pinned_use_background_threads:True,pinned_use_hip_host_register:False,\
+             graph_capture_record_stream_reuse:True,pinned_reserve_segment_size_mb:64,backend:native",
+        )
+        .unwrap();
+        assert_eq!(c, Config::default());
+        assert!(Config::parse("graph_capture_record_stream_reuse:maybe").is_err());
+        assert!(Config::parse("pinned_reserve_segment_size_mb:lots").is_err());
+    }
+
+    #[test]
+    fn per_process_memory_fraction_parses_between_0_and_1() {
+        assert_eq!(Config::default().per_process_memory_fraction, 1.0);
+        let c = Config::parse("per_process_memory_fraction:0.25").unwrap();
+        assert_eq!(c.per_process_memory_fraction, 0.25);
+        assert!(Config::parse("per_process_memory_fraction:1.5").is_err());
+        assert!(Config::parse("per_process_memory_fraction:half").is_err());
     }
 
     #[test]

@@ -73,3 +73,24 @@ fn compact_moves_idle_pages_between_streams_once_their_event_completed() {
     );
     a.free(r, None).unwrap();
 }
+
+#[test]
+fn compact_maps_another_streams_idle_pages_again_with_their_contents() {
+    let a = allocator("policy:compact");
+    let (s1, s2) = (0x7400usize, 0x7500usize);
+    let p = a.malloc(4 * MIB, s1).unwrap();
+    // SAFETY: the fake maps device memory into this process; [p, p + 4 MiB) was allocated
+    // above and is read-write.
+    unsafe { std::ptr::write_bytes(p as *mut u8, 0x5a, 4 * MIB) };
+    a.free(p, Some(s1)).unwrap();
+    let q = a.malloc(4 * MIB, s2).unwrap();
+    assert_ne!(q, p, "another stream's range");
+    assert_eq!(a.stats().reserved_bytes[0].current, 4 << 20);
+    // SAFETY: [q, q + 4 MiB) was allocated above and is read-write.
+    let bytes = unsafe { std::slice::from_raw_parts(q as *const u8, 4 * MIB) };
+    assert!(
+        bytes.iter().all(|&b| b == 0x5a),
+        "the same physical pages, mapped again rather than released and created anew"
+    );
+    a.free(q, Some(s2)).unwrap();
+}

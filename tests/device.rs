@@ -790,12 +790,100 @@ fn roundup_power2_divisions_round_requests_to_shared_sizes() {
 #[test]
 fn garbage_collection_returns_cached_segments_before_growing_past_the_threshold() {
     let config = Config::parse("garbage_collection_threshold:0.5").unwrap();
-    let (sim, a) = alloc_with(64 * MIB, &config);
-    let p = a.malloc(20 * MIB, 0).unwrap();
+    let (sim, a) = alloc_with(256 * MIB, &config);
+    a.set_memory_fraction(0.5).unwrap(); // 128 MiB allowed: collection past 64 MiB
+    let p = a.malloc(70 * MIB, 0).unwrap();
     a.free(p, Some(0)).unwrap();
-    // 20 MiB cached + 22 MiB new would pass 32 MiB: the cached segment goes back first.
-    let q = a.malloc(22 * MIB, 0).unwrap();
-    assert_eq!(stats(&a).num_device_free, 1);
-    assert_eq!(sim.used(0), 22 * MIB as u64);
+    // 70 MiB reserved is past the threshold: before asking the driver for more, the cached
+    // segment goes back (no out-of-memory retry needed).
+    let q = a.malloc(74 * MIB, 0).unwrap();
+    let st = stats(&a);
+    assert_eq!(st.num_device_free, 1);
+    assert_eq!(st.num_alloc_retries, 0);
+    assert_eq!(sim.used(0), 74 * MIB as u64);
     a.free(q, Some(0)).unwrap();
+}
+
+/// With `max_split_size_mb` set, a request the driver cannot serve first returns this
+/// stream's cached oversize segments: the smallest one that makes room, without counting a
+/// retry or returning anything else.
+#[test]
+fn out_of_memory_first_returns_the_smallest_oversize_segment_that_makes_room() {
+    let config = Config::parse("max_split_size_mb:40").unwrap();
+    let (sim, a) = alloc_with(200 * MIB, &config);
+    let s = unique_stream();
+    let small = a.malloc(50 * MIB, s).unwrap();
+    // Too large to serve 70 MiB from the cache (20 MiB or more would be wasted).
+    let large = a.malloc(100 * MIB, s).unwrap();
+    a.free(small, Some(s)).unwrap();
+    a.free(large, Some(s)).unwrap();
+    let _p = a.malloc(70 * MIB, s).unwrap();
+    let st = stats(&a);
+    assert_eq!(st.num_alloc_retries, 0);
+    assert_eq!(st.num_device_free, 1, "only the 100 MiB segment went");
+    assert_eq!(sim.used(0), 120 * MIB as u64);
+    assert_eq!(
+        a.malloc(50 * MIB, s).unwrap(),
+        small,
+        "the 50 MiB one is still cached"
+    );
+}
+
+/// When no single oversize segment is large enough, the largest go until enough is returned.
+#[test]
+fn out_of_memory_returns_the_largest_oversize_segments_until_there_is_room() {
+    let config = Config::parse("max_split_size_mb:40").unwrap();
+    let (sim, a) = alloc_with(128 * MIB, &config);
+    let s = unique_stream();
+    let x = a.malloc(50 * MIB, s).unwrap();
+    let y = a.malloc(60 * MIB, s).unwrap();
+    a.free(x, Some(s)).unwrap();
+    a.free(y, Some(s)).unwrap();
+    let _p = a.malloc(70 * MIB, s).unwrap();
+    let st = stats(&a);
+    assert_eq!(st.num_alloc_retries, 0);
+    assert_eq!(st.num_device_free, 2);
+    assert_eq!(sim.used(0), 70 * MIB as u64);
+}
+
+/// As in PyTorch, the threshold is a share of what a memory fraction allows: without one,
+/// nothing is collected.
+#[test]
+fn garbage_collection_needs_a_memory_fraction() {
+    let config = Config::parse("garbage_collection_threshold:0.5").unwrap();
+    let (sim, a) = alloc_with(256 * MIB, &config);
+    let p = a.malloc(70 * MIB, 0).unwrap();
+    a.free(p, Some(0)).unwrap();
+    let q = a.malloc(74 * MIB, 0).unwrap();
+    assert_eq!(stats(&a).num_device_free, 0);
+    assert_eq!(sim.used(0), 144 * MIB as u64);
+    a.free(q, Some(0)).unwrap();
+}
+
+/// A pass frees the segments at least as old as the average (counted in large requests
+/// since they became free), in size order, and stops once the excess is returned.
+#[test]
+fn garbage_collection_frees_the_oldest_segments_first() {
+    let config = Config::parse("garbage_collection_threshold:0.5").unwrap();
+    let (sim, a) = alloc_with(256 * MIB, &config);
+    a.set_memory_fraction(0.5).unwrap(); // collection past 64 MiB
+    let s = unique_stream();
+    let old = a.malloc(20 * MIB, s).unwrap();
+    let young = a.malloc(22 * MIB, s).unwrap();
+    a.free(old, Some(s)).unwrap();
+    // 42 MiB reserved: no collection for this one.
+    let c = a.malloc(24 * MIB, s).unwrap();
+    a.free(young, Some(s)).unwrap();
+    // 66 MiB reserved: `old` has waited 2 requests, `young` 1, so only `old` goes.
+    let d = a.malloc(26 * MIB, s).unwrap();
+    assert_eq!(stats(&a).num_device_free, 1);
+    assert_eq!(sim.used(0), (22 + 24 + 26) * MIB as u64);
+    assert_eq!(
+        a.malloc(22 * MIB, s).unwrap(),
+        young,
+        "the younger segment is still cached"
+    );
+    for p in [c, d, young] {
+        a.free(p, Some(s)).unwrap();
+    }
 }

@@ -50,7 +50,10 @@ fn growth_maps_whole_large_pages_at_the_end_of_one_range() {
     );
     assert_eq!(reserved(&a), 60 << 20, "only the missing page is mapped");
     let st = a.stats();
-    assert_eq!(st.segment[AGG].current, 1, "one range, one segment");
+    assert_eq!(
+        st.segment[AGG].peak, 0,
+        "expandable ranges are not counted as segments (PyTorch's statistics)"
+    );
     assert_eq!(st.num_device_alloc, 2, "one mapping per growth");
     assert_eq!(
         sim.counters
@@ -221,13 +224,22 @@ fn compact_maps_pages_of_the_driver_granularity() {
 
 #[test]
 fn compact_reuses_idle_free_pages_of_another_stream_instead_of_growing() {
+    use std::sync::atomic::Ordering::Relaxed;
     let (sim, a) = setup(1 << 30, "policy:compact");
     let (s1, s2) = (unique_stream(), unique_stream());
     let p = a.malloc(40 * MIB, s1).unwrap();
     a.free(p, Some(s1)).unwrap();
+    let created = sim.counters.vmm_map.load(Relaxed);
     let q = a.malloc(40 * MIB, s2).unwrap();
     assert_eq!(reserved(&a), 40 << 20, "s1's idle pages moved to s2");
     assert_eq!(sim.mapped(0), 40 << 20);
+    assert_eq!(
+        sim.counters.vmm_map_kept.load(Relaxed),
+        20,
+        "the same 20 physical pages, mapped again"
+    );
+    assert_eq!(sim.counters.vmm_map.load(Relaxed), created, "none created");
+    assert_eq!(sim.counters.vmm_unmap.load(Relaxed), 0, "none released");
     assert_eq!(
         a.stats().num_alloc_retries,
         0,
@@ -430,6 +442,46 @@ fn the_simulated_driver_unmaps_single_allocations_of_one_mapping_call() {
     sim.vmm_free_range(0, base, 64 * MIB).unwrap();
 }
 
+#[test]
+fn the_simulated_driver_maps_kept_allocations_again_elsewhere_and_releases_them() {
+    use tensoralloc::driver::Driver;
+    let sim = SimDriver::shared(1, 1 << 30).unwrap();
+    let used = |sim: &SimDriver| {
+        let info = sim.mem_info(0).unwrap();
+        info.total - info.free
+    };
+    let base = sim.vmm_reserve(0, 64 * MIB).unwrap();
+    let mut h = Vec::new();
+    sim.vmm_map_many(0, base, 6 * MIB, 2 * MIB, &mut h).unwrap();
+    let pages = |i: usize| (base + i * 2 * MIB, 2 * MIB, h[i]);
+    sim.vmm_unmap_keep(0, &[pages(0), pages(1)]).unwrap();
+    assert_eq!(sim.mapped(0), 2 << 20);
+    assert_eq!(used(&sim), 6 << 20, "kept allocations still hold memory");
+    let elsewhere = base + 20 * MIB;
+    sim.vmm_map_kept(0, elsewhere, &[(2 * MIB, h[0]), (2 * MIB, h[1])])
+        .unwrap();
+    assert_eq!(sim.mapped(0), 6 << 20);
+    assert_eq!(used(&sim), 6 << 20, "nothing was created");
+    assert!(
+        sim.vmm_map_kept(0, base, &[(2 * MIB, h[0])]).is_err(),
+        "mapped again already: no longer kept"
+    );
+    assert!(
+        sim.vmm_map_kept(0, base + 4 * MIB, &[(2 * MIB, h[2])])
+            .is_err(),
+        "never kept"
+    );
+    sim.vmm_unmap_keep(0, &[(elsewhere, 2 * MIB, h[0])])
+        .unwrap();
+    sim.vmm_release(0, h[0]).unwrap();
+    assert_eq!(used(&sim), 4 << 20);
+    assert!(sim.vmm_release(0, h[0]).is_err(), "released already");
+    sim.vmm_unmap_many(0, &[(elsewhere + 2 * MIB, 2 * MIB, h[1]), pages(2)])
+        .unwrap();
+    assert_eq!(used(&sim), 0);
+    sim.vmm_free_range(0, base, 64 * MIB).unwrap();
+}
+
 /// The mapping events of the memory history, as (action, address, bytes, stream).
 fn mapping_events(a: &DeviceAllocator) -> Vec<(Action, usize, usize, usize)> {
     a.history()
@@ -543,6 +595,7 @@ fn the_garbage_collection_threshold_unmaps_free_pages_before_growing_past_it() {
         1 << 30,
         "expandable_segments:True,garbage_collection_threshold:0.5",
     );
+    a.set_memory_fraction(1.0).unwrap();
     let s = unique_stream();
     let p = a.malloc(300 * MIB, s).unwrap();
     let q = a.malloc(20 * MIB, s).unwrap();

@@ -14,8 +14,6 @@
 //! `cuMemMap` and `cuMemUnmap` calls as PyTorch's do). A range counts as a segment while
 //! anything is mapped in it.
 
-use std::collections::BTreeMap;
-
 use super::shard::{Block, ShardInner, StatSink, State, NONE};
 use super::size::PoolKind;
 use super::stats::StatKind;
@@ -65,7 +63,7 @@ pub(crate) struct ExpSegment {
 pub(crate) struct ExpState {
     pub segments: Vec<ExpSegment>,
     /// Unmapped blocks of the small and the large pool, by address.
-    unmapped: [BTreeMap<usize, u32>; 2],
+    unmapped: [Unmapped; 2],
     /// Frees so far (each returned block takes the next count as its `freed_at`).
     pub frees: u64,
     /// Blocks freed at or before this count are idle on the GPU.
@@ -74,6 +72,34 @@ pub(crate) struct ExpState {
     pub batch: Option<(Event, u64)>,
     /// [`Layout::prefer_settled`], once the shard has a range.
     pub prefer_settled: bool,
+    /// Reused buffers for the handles of one mapping and the mappings of one unmapping, so
+    /// that growing and unmapping allocate nothing once warm.
+    made: Vec<PhysHandle>,
+    unmaps: Vec<(usize, usize, PhysHandle)>,
+    /// Reused buffer of [`Report::spare`].
+    pub spare: Vec<(usize, PhysHandle)>,
+}
+
+/// A pool's unmapped blocks as (address, block), sorted by address. A shard has a few dozen
+/// at most (the holes and ends of its ranges), and [`ShardInner::find_space`] walks them on
+/// every growth: a sorted vector walks and updates faster than a B-tree at that size.
+#[derive(Default)]
+struct Unmapped(Vec<(usize, u32)>);
+
+impl Unmapped {
+    fn insert(&mut self, addr: usize, id: u32) {
+        let at = self.0.partition_point(|&(a, _)| a < addr);
+        self.0.insert(at, (addr, id));
+    }
+
+    fn remove(&mut self, addr: &usize) -> Option<u32> {
+        let at = self.0.binary_search_by_key(addr, |&(a, _)| a).ok()?;
+        Some(self.0.remove(at).1)
+    }
+
+    fn values(&self) -> impl Iterator<Item = u32> + '_ {
+        self.0.iter().map(|&(_, id)| id)
+    }
 }
 
 /// What a change of mappings did, for the device counters and the memory history.
@@ -84,8 +110,38 @@ pub(crate) struct Report {
     pub bytes: usize,
     /// Ranges reserved (address, size) or returned.
     pub reserved: Option<(usize, usize)>,
-    /// Each range mapped or unmapped, in order: (whether mapped, address, bytes).
+    /// Each range mapped or unmapped, in order: (whether mapped, address, bytes); only
+    /// when `record` is set (for the memory history).
     pub ranges: Vec<(bool, usize, usize)>,
+    pub record: bool,
+    /// Whether unmapping keeps the physical allocations, in `spare`, rather than releasing
+    /// them.
+    pub keep: bool,
+    /// Physical allocations unmapped and kept, as (bytes, handle): a growth maps these before
+    /// creating any; the caller releases what is left.
+    pub spare: Vec<(usize, PhysHandle)>,
+}
+
+impl Report {
+    /// An empty report that lists ranges when `record` is set.
+    pub fn new(record: bool) -> Report {
+        Report {
+            record,
+            ..Report::default()
+        }
+    }
+
+    fn range(&mut self, mapped: bool, addr: usize, bytes: usize) {
+        if mapped {
+            self.maps += 1;
+        } else {
+            self.unmaps += 1;
+        }
+        self.bytes += bytes;
+        if self.record {
+            self.ranges.push((mapped, addr, bytes));
+        }
+    }
 }
 
 /// Where unmapping may take memory from.
@@ -99,7 +155,7 @@ pub(crate) enum Reclaim {
 }
 
 impl ShardInner {
-    fn unmapped_index(&mut self, pool: PoolKind) -> &mut BTreeMap<usize, u32> {
+    fn unmapped_index(&mut self, pool: PoolKind) -> &mut Unmapped {
         &mut self.exp.unmapped[Layout::pool_index(pool)]
     }
 
@@ -130,23 +186,6 @@ impl ShardInner {
             (size, id) = (next.0, next.2);
         }
         (size, id)
-    }
-
-    /// Removes a free block's share of the inactive-split statistics (before it changes).
-    fn uncount_free(&self, id: u32, stats: &mut impl StatSink) {
-        let b = &self.blocks[id as usize];
-        if b.is_split() {
-            stats.both(StatKind::InactiveSplit, b.pool, -1);
-            stats.both(StatKind::InactiveSplitBytes, b.pool, -(b.size as i64));
-        }
-    }
-
-    fn count_free(&self, id: u32, stats: &mut impl StatSink) {
-        let b = &self.blocks[id as usize];
-        if b.is_split() {
-            stats.both(StatKind::InactiveSplit, b.pool, 1);
-            stats.both(StatKind::InactiveSplitBytes, b.pool, b.size as i64);
-        }
     }
 
     /// Splits `[addr, addr + size)` off the front of block `id` as a new block in `state`,
@@ -208,7 +247,7 @@ impl ShardInner {
                     State::Free | State::Unmapped
                 )
         };
-        for &u in self.exp.unmapped[Layout::pool_index(pool)].values() {
+        for u in self.exp.unmapped[Layout::pool_index(pool)].values() {
             let prev = self.blocks[u as usize].prev;
             let start = if prev != NONE && self.blocks[prev as usize].state == State::Free {
                 prev
@@ -307,14 +346,13 @@ impl ShardInner {
             };
             let piece = if state == State::Free {
                 self.remove_free(cur);
-                self.uncount_free(cur, stats);
                 left -= left.min(size);
                 cur
             } else {
                 let page = self.exp.segments[self.blocks[cur as usize].exp as usize].page;
                 let want = left.next_multiple_of(page).min(size);
                 if let Err(e) = self.map_run(driver, device, layout, cur, want, stats, report) {
-                    self.restore_free(first, stats);
+                    self.restore_free(first);
                     return Err(e);
                 }
                 left -= left.min(want);
@@ -343,17 +381,14 @@ impl ShardInner {
         let next = self.blocks[first as usize].next;
         if next != NONE && self.blocks[next as usize].state == State::Free {
             self.remove_free(next);
-            self.uncount_free(next, stats);
             self.absorb_next(first, next);
         }
-        self.count_free(first, stats);
         Ok(first)
     }
 
     /// Puts the run merged so far back in its free index after a failed growth.
-    fn restore_free(&mut self, first: u32, stats: &mut impl StatSink) {
+    fn restore_free(&mut self, first: u32) {
         if first != NONE {
-            self.count_free(first, stats);
             self.insert_free(first);
         }
     }
@@ -378,8 +413,61 @@ impl ShardInner {
         let chunk = page
             .saturating_mul(layout.max_handle_pages.max(1))
             .min(want);
-        let mut made = Vec::with_capacity(want.div_ceil(chunk));
-        driver.vmm_map_many(device, addr, want, chunk, &mut made)?;
+        // Kept allocations of the chunk size go first, new ones fill the rest.
+        let kept = if report.spare.first().is_some_and(|&(l, _)| l == chunk) {
+            report
+                .spare
+                .iter()
+                .rev()
+                .take_while(|&&(l, _)| l == chunk)
+                .count()
+                .min(want / chunk)
+        } else {
+            0
+        };
+        let head = kept * chunk;
+        let mut made = std::mem::take(&mut self.exp.made);
+        made.clear();
+        if head < want {
+            let mut mapped =
+                driver.vmm_map_many(device, addr + head, want - head, chunk, &mut made);
+            let surplus = report.spare.len() - kept;
+            if matches!(mapped, Err(Error::OutOfMemory(_))) && surplus > 0 {
+                // Kept allocations this growth cannot use still hold device memory: give
+                // them back and try again.
+                for (_, h) in report.spare.drain(..surplus).rev() {
+                    let _ = driver.vmm_release(device, h);
+                }
+                mapped = driver.vmm_map_many(device, addr + head, want - head, chunk, &mut made);
+            }
+            if let Err(e) = mapped {
+                self.exp.made = made;
+                return Err(e);
+            }
+        }
+        let from = report.spare.len() - kept;
+        let moved = kept > 0
+            && driver
+                .vmm_map_kept(device, addr, &report.spare[from..])
+                .is_ok();
+        if kept > 0 && !moved {
+            // The kept allocations stay spare; create the head's instead.
+            let mut fresh = Vec::with_capacity(kept);
+            if let Err(e) = driver.vmm_map_many(device, addr, head, chunk, &mut fresh) {
+                let tail: Vec<_> = made
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &h)| {
+                        let at = addr + head + i * chunk;
+                        (at, chunk.min(addr + want - at), h)
+                    })
+                    .collect();
+                let _ = driver.vmm_unmap_many(device, &tail);
+                self.exp.made = made;
+                return Err(e);
+            }
+            made.splice(0..0, fresh);
+        }
         let seg = &mut self.exp.segments[exp];
         let first = (addr - seg.base) / page;
         let end = first + want / page;
@@ -387,24 +475,28 @@ impl ShardInner {
             seg.handles.resize(end, None);
         }
         let mut at = addr;
-        for h in made {
+        if moved {
+            for (len, h) in report.spare.drain(from..) {
+                seg.handles[(at - seg.base) / page] = Some((len, h));
+                at += len;
+            }
+        }
+        for &h in &made {
             let len = chunk.min(addr + want - at);
             seg.handles[(at - seg.base) / page] = Some((len, h));
             at += len;
         }
-        if seg.mapped == 0 {
-            stats.both(StatKind::Segment, pool, 1);
-        }
+        self.exp.made = made;
+        let seg = &mut self.exp.segments[exp];
         seg.mapped += want;
         stats.both(StatKind::ReservedBytes, pool, want as i64);
-        report.maps += 1;
-        report.bytes += want;
-        report.ranges.push((true, addr, want));
+        report.range(true, addr, want);
         Ok(())
     }
 
     /// Unmaps whole physical allocations inside free blocks of expandable segments, smallest
-    /// block first, until `goal` bytes are unmapped. Returns what it did.
+    /// block first, until `goal` bytes are unmapped, adding what it did to `report` (which
+    /// counts only what this call unmaps toward `goal`).
     pub fn unmap_free(
         &mut self,
         driver: &dyn Driver,
@@ -412,12 +504,13 @@ impl ShardInner {
         reclaim: Reclaim,
         goal: usize,
         stats: &mut impl StatSink,
-    ) -> Result<Report> {
-        let mut report = Report::default();
+        report: &mut Report,
+    ) -> Result<()> {
         // A block smaller than a page holds no whole physical allocation.
         let Some(floor) = self.exp.segments.iter().map(|s| s.page).min() else {
-            return Ok(report);
+            return Ok(());
         };
+        let goal = report.bytes.saturating_add(goal);
         for pool in [PoolKind::Small, PoolKind::Large] {
             // Walks the index by key: unmapping a block only adds smaller ones (its ends).
             let mut key = (floor, 0, 0);
@@ -432,12 +525,21 @@ impl ShardInner {
                         Reclaim::All => true,
                         Reclaim::Idle { keep } => k.2 != keep && b.freed_at <= self.exp.idle_upto,
                     };
-                if eligible {
-                    self.unmap_block(driver, device, k.2, stats, &mut report)?;
+                if eligible && self.holds_a_page(k.2) {
+                    self.unmap_block(driver, device, k.2, stats, report)?;
                 }
             }
         }
-        Ok(report)
+        Ok(())
+    }
+
+    /// Whether block `id` of an expandable segment covers a whole page (else it holds no
+    /// whole physical allocation, and [`ShardInner::unmap_block`] has nothing to do).
+    fn holds_a_page(&self, id: u32) -> bool {
+        let b = &self.blocks[id as usize];
+        let seg = &self.exp.segments[b.exp as usize];
+        let first = seg.base + (b.addr - seg.base).next_multiple_of(seg.page);
+        first + seg.page <= b.addr + b.size
     }
 
     /// Unmaps the physical allocations that lie wholly inside free block `id`.
@@ -456,40 +558,51 @@ impl ShardInner {
         let end = addr + size;
         let seg = &self.exp.segments[exp];
         let pages = (addr - seg.base).div_ceil(seg.page)..(end - seg.base) / seg.page;
-        let inside: Vec<(usize, usize, PhysHandle)> = seg
-            .handles
-            .get(pages.start..pages.end.min(seg.handles.len()))
-            .unwrap_or_default()
-            .iter()
-            .zip(pages.clone())
-            .filter_map(|(slot, p)| {
-                let (l, h) = (*slot)?;
-                let a = seg.base + p * seg.page;
-                (a + l <= end).then_some((a, l, h))
-            })
-            .collect();
+        let mut inside = std::mem::take(&mut self.exp.unmaps);
+        inside.clear();
+        inside.extend(
+            seg.handles
+                .get(pages.start..pages.end.min(seg.handles.len()))
+                .unwrap_or_default()
+                .iter()
+                .zip(pages.clone())
+                .filter_map(|(slot, p)| {
+                    let (l, h) = (*slot)?;
+                    let a = seg.base + p * seg.page;
+                    (a + l <= end).then_some((a, l, h))
+                }),
+        );
         let (Some(&(lo, _, _)), Some(&(last, last_len, _))) = (inside.first(), inside.last())
         else {
+            self.exp.unmaps = inside;
             return Ok(());
         };
         let hi = last + last_len;
-        driver.vmm_unmap_many(device, &inside)?;
-        let seg = &mut self.exp.segments[exp];
-        for &(a, _, _) in &inside {
-            seg.handles[(a - seg.base) / seg.page] = None;
+        let unmapped = if report.keep {
+            driver.vmm_unmap_keep(device, &inside)
+        } else {
+            driver.vmm_unmap_many(device, &inside)
+        };
+        if unmapped.is_ok() {
+            if report.keep {
+                report.spare.extend(inside.iter().map(|&(_, l, h)| (l, h)));
+            }
+            let seg = &mut self.exp.segments[exp];
+            for &(a, _, _) in &inside {
+                seg.handles[(a - seg.base) / seg.page] = None;
+            }
         }
+        self.exp.unmaps = inside;
+        unmapped?;
         let bytes = hi - lo;
         self.remove_free(id);
-        self.uncount_free(id, stats);
         // Cut the block into [addr, lo) free, [lo, hi) unmapped, [hi, end) free.
         if lo > addr {
             let front = self.split_front(id, lo - addr, State::Free);
-            self.count_free(front, stats);
             self.insert_free(front);
         }
         let middle = if hi < end {
             let m = self.split_front(id, hi - lo, State::Unmapped);
-            self.count_free(id, stats);
             self.insert_free(id);
             m
         } else {
@@ -515,13 +628,8 @@ impl ShardInner {
         self.unmapped_index(pool).insert(ma, m);
         let seg = &mut self.exp.segments[exp];
         seg.mapped -= bytes;
-        if seg.mapped == 0 {
-            stats.both(StatKind::Segment, pool, -1);
-        }
         stats.both(StatKind::ReservedBytes, pool, -(bytes as i64));
-        report.unmaps += 1;
-        report.bytes += bytes;
-        report.ranges.push((false, lo, bytes));
+        report.range(false, lo, bytes);
         Ok(())
     }
 

@@ -19,6 +19,7 @@
 mod events;
 mod expandable;
 mod free_index;
+mod gc;
 pub mod graph;
 pub mod history;
 mod limit;
@@ -67,6 +68,7 @@ pub struct DeviceAllocator {
     driver: Arc<dyn Driver>,
     max_split_size: usize,
     gc_threshold: f64,
+    gc_ages: gc::Ages,
     roundup_divisions: [usize; ROUNDUP_INTERVALS],
     shards: ShardTable<Shard>,
     /// Every segment of the device: start -> (size, shard index). Used to find the owner of a
@@ -185,13 +187,14 @@ impl DeviceAllocator {
             )));
         }
         let layout = policy::layout(&*driver, device, config);
-        Ok(DeviceAllocator {
+        let a = DeviceAllocator {
             layout,
             policy: config.policy,
             device,
             driver,
             max_split_size: config.max_split_size,
             gc_threshold: config.garbage_collection_threshold,
+            gc_ages: gc::Ages::default(),
             roundup_divisions: config.roundup_power2_divisions,
             shards: ShardTable::new(),
             segments: RwLock::new(BTreeMap::new()),
@@ -201,7 +204,11 @@ impl DeviceAllocator {
             graph: GraphPools::default(),
             limit: MemoryLimit::default(),
             pair_memo: true,
-        })
+        };
+        if config.per_process_memory_fraction < 1.0 {
+            a.set_memory_fraction(config.per_process_memory_fraction)?;
+        }
+        Ok(a)
     }
 
     /// Turns the replay of cached malloc+free pairs off or on (on by default). Replaying
@@ -346,14 +353,20 @@ impl DeviceAllocator {
             self.shard_for_pools(stream)?
         };
         let mut retried = false;
+        let collecting = self.gc_note_request(pool);
         let mut first = shard.inner.lock_memo();
-        if let Some(addr) = first.malloc_memo(
-            pool,
-            rounded,
-            size,
-            self.max_split_size,
-            &mut self.op_sink(shard),
-        ) {
+        let replayed = if collecting {
+            None
+        } else {
+            first.malloc_memo(
+                pool,
+                rounded,
+                size,
+                self.max_split_size,
+                &mut self.op_sink(shard),
+            )
+        };
+        if let Some(addr) = replayed {
             self.note(Action::Alloc, addr, size, stream);
             return Ok(addr);
         }
@@ -373,7 +386,9 @@ impl DeviceAllocator {
             let from_index = found.is_some();
             let id = match found {
                 Some(id) => id,
-                None => match self.new_memory(shard, &mut inner, pool, rounded, stream) {
+                None => match self
+                    .new_memory_or_release(shard, &mut inner, pool, rounded, stream, retried)
+                {
                     Ok(id) => id,
                     Err(Error::OutOfMemory(_)) if !retried => {
                         drop(inner);
@@ -393,17 +408,80 @@ impl DeviceAllocator {
                     Err(e) => return Err(e),
                 },
             };
+            let mut sink = self.op_sink(shard);
+            // A growth of an expandable segment leaves what it passed marked, for this one
+            // settle of the growth and the allocation together.
+            sink.over = !from_index && shard.stats.is_over();
             let addr = inner.allocate(
                 id,
                 rounded,
                 size,
                 self.max_split_size,
                 from_index,
-                &mut self.op_sink(shard),
+                &mut sink,
             );
+            drop(sink);
             self.note(Action::Alloc, addr, size, stream);
             return Ok(addr);
         }
+    }
+
+    /// [`DeviceAllocator::new_memory`], collecting garbage first on the first attempt; when
+    /// the driver is out of memory and `max_split_size` is set, first returns this stream's
+    /// cached oversize segments that make room (PyTorch's `release_available_cached_blocks`)
+    /// and tries once more. The caller's retry after returning every cached segment is
+    /// `retried`.
+    fn new_memory_or_release(
+        &self,
+        shard: &Shard,
+        inner: &mut ShardInner,
+        pool: PoolKind,
+        rounded: usize,
+        stream: Stream,
+        retried: bool,
+    ) -> Result<u32> {
+        let got = self.new_memory(shard, inner, pool, rounded, stream, !retried);
+        if retried
+            || !matches!(got, Err(Error::OutOfMemory(_)))
+            || !self.release_oversize(shard, inner, pool, rounded)
+        {
+            return got;
+        }
+        self.new_memory(shard, inner, pool, rounded, stream, false)
+    }
+
+    /// Returns cached oversize segments (at least `max_split_size`) of `shard`'s `pool` to
+    /// make room for `rounded` bytes: the smallest one at least as large as both, else the
+    /// largest ones down until as many bytes are returned. Returns whether that much went.
+    fn release_oversize(
+        &self,
+        shard: &Shard,
+        inner: &mut ShardInner,
+        pool: PoolKind,
+        rounded: usize,
+    ) -> bool {
+        if self.max_split_size == usize::MAX || self.layout.is_some() {
+            return false;
+        }
+        let want = rounded.max(self.max_split_size);
+        let mut oversize: Vec<(usize, usize, u32)> = inner
+            .whole_free_segments()
+            .into_iter()
+            .map(|id| (inner.block(id).size, inner.block(id).addr, id))
+            .filter(|&(size, _, id)| inner.block(id).pool == pool && size >= self.max_split_size)
+            .collect();
+        oversize.sort_unstable();
+        if let Some(&(_, _, id)) = oversize.iter().find(|&&(size, _, _)| size >= want) {
+            return self.free_segment(shard, inner, id).is_ok();
+        }
+        let mut released = 0;
+        for &(_, _, id) in oversize.iter().rev() {
+            if released >= want {
+                break;
+            }
+            released += self.free_segment(shard, inner, id).unwrap_or(0);
+        }
+        released >= want
     }
 
     /// A new block of at least `rounded` bytes for `shard`: a new segment from the driver, or
@@ -415,6 +493,7 @@ impl DeviceAllocator {
         pool: PoolKind,
         rounded: usize,
         stream: Stream,
+        collect: bool,
     ) -> Result<u32> {
         // Graph private pools keep ordinary segments, as in PyTorch: a graph replays on the
         // addresses of blocks its pool has freed, which must stay mapped.
@@ -423,7 +502,7 @@ impl DeviceAllocator {
             Some(_) => rounded,
             None => segment_size(rounded),
         };
-        if self.gc_threshold > 0.0 && !self.capture_blocks(stream) {
+        if collect && self.gc_threshold > 0.0 && !self.capture_blocks(stream) {
             self.collect_garbage(shard, inner, seg);
         }
         if let Some(layout) = layout {
@@ -548,6 +627,7 @@ impl DeviceAllocator {
             self.note_block(Action::FreeCompleted, shard, &inner, id);
             let candidate = inner.memo_candidate(id);
             inner.release(id, &mut self.op_sink(shard));
+            self.gc_note_free(&inner, id);
             if let Some(c) = candidate.filter(|_| !shard.private && self.pair_memo) {
                 inner.remember(c);
             }
@@ -600,6 +680,7 @@ impl DeviceAllocator {
         if recorded.is_empty() {
             self.note_block(Action::FreeCompleted, shard, &inner, id);
             inner.release(id, &mut self.op_sink(shard));
+            self.gc_note_free(&inner, id);
         } else {
             inner.block_mut(id).events_left = recorded.len() as u32;
             inner.pending.extend(recorded.into_iter().map(|e| (e, id)));
@@ -698,6 +779,7 @@ impl DeviceAllocator {
         if b.events_left == 0 {
             self.note_block(Action::FreeCompleted, shard, inner, id);
             inner.release(id, &mut self.op_sink(shard));
+            self.gc_note_free(inner, id);
         }
     }
 
@@ -725,34 +807,20 @@ impl DeviceAllocator {
             if released >= goal {
                 break;
             }
-            let (addr, size) = (inner.block(id).addr, inner.block(id).size);
-            self.driver.mem_free(self.device, addr)?;
-            inner.remove_segment(id, self.max_split_size, &mut self.op_sink(shard));
-            self.segments.write().remove(&addr);
-            DeviceCounters::bump(&self.counters.num_device_free);
-            self.note(Action::SegmentFree, addr, size, shard.stream);
-            released += size;
+            released += self.free_segment(shard, inner, id)?;
         }
         Ok(released)
     }
 
-    /// Before growing past the garbage-collection threshold, return this stream's unused
-    /// segments (or free pages of its expandable segments) to the driver.
-    fn collect_garbage(&self, shard: &Shard, inner: &mut ShardInner, want: usize) {
-        let Ok(info) = self.driver.mem_info(self.device) else {
-            return;
-        };
-        let reserved = self
-            .total_current(stats::aggregate(StatKind::ReservedBytes))
-            .max(0) as u64;
-        let limit = (info.total as f64 * self.gc_threshold) as u64;
-        if reserved + want as u64 > limit {
-            let excess = (reserved + want as u64 - limit) as usize;
-            let released = self.release_segments(shard, inner, excess).unwrap_or(0);
-            if released < excess {
-                let _ = self.release_expandable(shard, inner, excess - released);
-            }
-        }
+    /// Returns the whole free segment `id` of `shard` to the driver; returns its size.
+    fn free_segment(&self, shard: &Shard, inner: &mut ShardInner, id: u32) -> Result<usize> {
+        let (addr, size) = (inner.block(id).addr, inner.block(id).size);
+        self.driver.mem_free(self.device, addr)?;
+        inner.remove_segment(id, self.max_split_size, &mut self.op_sink(shard));
+        self.segments.write().remove(&addr);
+        DeviceCounters::bump(&self.counters.num_device_free);
+        self.note(Action::SegmentFree, addr, size, shard.stream);
+        Ok(size)
     }
 
     /// Waits for outstanding events and returns every unused cached segment to the driver,

@@ -10,9 +10,11 @@
 //! - `policy:compact`: expandable segments with pages of the driver's granularity (one
 //!   physical allocation per page, so any free page can be given back), and before a stream
 //!   grows, idle free pages of every stream are unmapped so that the growth reuses their
-//!   memory instead of adding to it. A page is idle when an event recorded on its stream after
-//!   it was freed has completed; the event is recorded lazily, once per batch of frees, when
-//!   some stream is about to grow, and only queried (never waited for).
+//!   memory instead of adding to it: their physical allocations are kept and mapped again
+//!   into the growing range (no `cuMemRelease` and `cuMemCreate` in between), and any the
+//!   growth does not need are released. A page is idle when an event recorded on its stream
+//!   after it was freed has completed; the event is recorded lazily, once per batch of frees,
+//!   when some stream is about to grow, and only queried (never waited for).
 
 use super::expandable::{Layout, Reclaim, Report};
 use super::history::Action;
@@ -21,7 +23,7 @@ use super::size::{PoolKind, LARGE_BUFFER, SMALL_BUFFER};
 use super::stats::{self, ShardStats, StatKind};
 use super::{DeviceAllocator, Shard};
 use crate::config::{Config, Policy};
-use crate::driver::Driver;
+use crate::driver::{Driver, PhysHandle};
 use crate::error::Result;
 use std::sync::atomic::Ordering::Relaxed;
 
@@ -84,13 +86,15 @@ impl DeviceAllocator {
         pool: PoolKind,
         rounded: usize,
     ) -> Result<u32> {
+        let mut report = Report::new(self.history().on());
+        report.spare = std::mem::take(&mut inner.exp.spare);
         if self.policy == Policy::Compact {
-            self.reclaim_idle(shard, inner, rounded, pool);
+            self.reclaim_idle(shard, inner, rounded, pool, &mut report.spare);
         }
         // A growth changes several statistics, each of which may pass its limit (reserved
         // bytes above all when they come from other streams' pages): they are only marked
-        // here and settled once below, rather than once per statistic.
-        let mut report = Report::default();
+        // here, and settled once with the allocation the growth is for (exact: a marked
+        // statistic keeps its highest value until settled), or below if the growth fails.
         let grown = inner.grow(
             &*self.driver,
             self.device,
@@ -104,7 +108,19 @@ impl DeviceAllocator {
             self.segments.write().insert(base, (size, shard.index));
         }
         self.count(shard, &report);
-        self.settle_marked(shard);
+        // Kept allocations the growth did not need go back to the driver, newest first.
+        for (_, handle) in report.spare.drain(..).rev() {
+            if let Err(e) = self.driver.vmm_release(self.device, handle) {
+                eprintln!(
+                    "tensoralloc: device {}: could not release an unmapped page ({e})",
+                    self.device
+                );
+            }
+        }
+        inner.exp.spare = report.spare;
+        if grown.is_err() {
+            self.settle_marked(shard);
+        }
         grown
     }
 
@@ -151,14 +167,17 @@ impl DeviceAllocator {
         if self.free_mapped(shard) > 0 {
             self.wait_for_stream(shard)?;
         }
-        let report = inner.unmap_free(
+        let mut report = Report::new(self.history().on());
+        let unmapped = inner.unmap_free(
             &*self.driver,
             self.device,
             Reclaim::All,
             goal,
             &mut self.sink(shard),
-        )?;
+            &mut report,
+        );
         self.count(shard, &report);
+        unmapped?;
         for base in inner.free_empty_ranges(&*self.driver, self.device)? {
             self.segments.write().remove(&base);
         }
@@ -178,10 +197,17 @@ impl DeviceAllocator {
     }
 
     /// Before `shard` grows by `need` bytes of `pool`: unmaps idle free pages of this and
-    /// other streams, up to `need` bytes, sparing the free block the growth will extend.
-    /// Never waits: another stream whose lock is busy, or whose batch event has not
-    /// completed, is skipped.
-    fn reclaim_idle(&self, shard: &Shard, inner: &mut ShardInner, need: usize, pool: PoolKind) {
+    /// other streams, up to `need` bytes, sparing the free block the growth will extend, and
+    /// keeps their physical allocations in `spare` for the growth to map. Never waits:
+    /// another stream whose lock is busy, or whose batch event has not completed, is skipped.
+    fn reclaim_idle(
+        &self,
+        shard: &Shard,
+        inner: &mut ShardInner,
+        need: usize,
+        pool: PoolKind,
+        spare: &mut Vec<(usize, PhysHandle)>,
+    ) {
         if self.graph.capturing() {
             // No event may be recorded or queried while a graph is captured.
             return;
@@ -190,22 +216,33 @@ impl DeviceAllocator {
             .find_space(pool, need)
             .filter(|&id| inner.block(id).state == State::Free)
             .unwrap_or(NONE);
-        let mut got = self.reclaim_from(shard, inner, need, keep);
+        let mut got = self.reclaim_from(shard, inner, need, keep, spare);
         for other in self.shards.iter() {
             if got >= need {
                 break;
             }
-            if other.index == shard.index {
+            // Read without the other shard's lock: a stale look only skips a shard or
+            // locks one for nothing (checked again under its lock).
+            if other.index == shard.index || self.free_mapped(other) < MIN_RECLAIM {
                 continue;
             }
             if let Some(mut o) = other.inner.try_lock() {
-                got += self.reclaim_from(other, &mut o, need - got, NONE);
+                got += self.reclaim_from(other, &mut o, need - got, NONE, spare);
             }
         }
         // Overdrafts are settled by the caller, after the growth.
     }
 
-    fn reclaim_from(&self, shard: &Shard, inner: &mut ShardInner, goal: usize, keep: u32) -> usize {
+    /// Unmaps idle free pages of `shard` (but block `keep`), up to `goal` bytes, keeping
+    /// their physical allocations in `spare`. Returns the bytes unmapped.
+    fn reclaim_from(
+        &self,
+        shard: &Shard,
+        inner: &mut ShardInner,
+        goal: usize,
+        keep: u32,
+        spare: &mut Vec<(usize, PhysHandle)>,
+    ) -> usize {
         if inner.exp.segments.is_empty()
             || self.free_mapped(shard) < MIN_RECLAIM
             || self.driver.stream_capturing(shard.stream).unwrap_or(false)
@@ -216,26 +253,27 @@ impl DeviceAllocator {
         // Settling peaks now would lock every shard, the growing one included when this is
         // another stream's: overdrafts are only marked, and settled after the growth.
         let mut marks = MarkOnly(&shard.stats);
+        let mut report = Report::new(self.history().on());
+        report.keep = true;
+        report.spare = std::mem::take(spare);
         let unmapped = inner.unmap_free(
             &*self.driver,
             self.device,
             Reclaim::Idle { keep },
             goal,
             &mut marks,
+            &mut report,
         );
-        match unmapped {
-            Ok(report) => {
-                self.count(shard, &report);
-                report.bytes
-            }
-            Err(e) => {
-                eprintln!(
-                    "tensoralloc: device {}: could not unmap idle pages ({e}); keeping them",
-                    self.device
-                );
-                0
-            }
+        // What was unmapped before an error stays unmapped: count it either way.
+        self.count(shard, &report);
+        *spare = std::mem::take(&mut report.spare);
+        if let Err(e) = unmapped {
+            eprintln!(
+                "tensoralloc: device {}: could not unmap idle pages ({e}); keeping them",
+                self.device
+            );
         }
+        report.bytes
     }
 
     /// Advances what is known idle on `shard`'s stream: collects its batch event if it has

@@ -122,7 +122,10 @@ impl Memo {
     fn allocation_stats(&self, requested: usize, max_split_size: usize, stats: &mut impl StatSink) {
         let pool = self.pool;
         let rest = (self.size - self.rounded) as i64;
-        match (self.was_split, self.split) {
+        // Expandable blocks stay out of the inactive-split statistics, as in PyTorch: their
+        // free pages can always be returned.
+        let counted = self.exp == NONE;
+        match (self.was_split && counted, self.split && counted) {
             // An inactive split block shrinks by what is handed out; it stays one block.
             (true, true) => stats.both(StatKind::InactiveSplitBytes, pool, -(self.rounded as i64)),
             (true, false) => {
@@ -155,7 +158,8 @@ impl Memo {
         unallocation_stats(pool, given, requested, max_split_size, stats);
         deactivation_stats(pool, given, stats);
         let rest = (self.size - self.rounded) as i64;
-        match (self.split, self.was_split) {
+        let counted = self.exp == NONE;
+        match (self.split && counted, self.was_split && counted) {
             // Merging the rest back: one inactive split block before and after, grown by
             // the block (the net change, as `release` makes it).
             (true, true) => stats.both(StatKind::InactiveSplitBytes, pool, self.rounded as i64),
@@ -648,20 +652,23 @@ impl ShardInner {
         // current values would be the same either way; the counters of bytes and blocks
         // allocated and freed are not.
         let b = &self.blocks[id as usize];
-        let (joins, join_bytes) = if b.is_split() {
-            (1, b.size as i64)
-        } else {
-            (0, 0)
-        };
-        if joins != merged {
-            stats.both(StatKind::InactiveSplit, pool, joins - merged);
-        }
-        if join_bytes != merged_bytes {
-            stats.both(
-                StatKind::InactiveSplitBytes,
-                pool,
-                join_bytes - merged_bytes,
-            );
+        // Expandable blocks stay out of the inactive-split statistics, as in PyTorch.
+        if b.exp == NONE {
+            let (joins, join_bytes) = if b.is_split() {
+                (1, b.size as i64)
+            } else {
+                (0, 0)
+            };
+            if joins != merged {
+                stats.both(StatKind::InactiveSplit, pool, joins - merged);
+            }
+            if join_bytes != merged_bytes {
+                stats.both(
+                    StatKind::InactiveSplitBytes,
+                    pool,
+                    join_bytes - merged_bytes,
+                );
+            }
         }
         self.insert_free(id);
     }

@@ -200,6 +200,20 @@ fn check(code: CUresult, call: &str) -> Result<()> {
     }
 }
 
+/// Makes `[addr, addr + size)`, just mapped for `prop`'s device, readable and writable by
+/// it with one `cuMemSetAccess`. The caller runs in the device's context.
+fn set_access(prop: &sys::CUmemAllocationProp, addr: usize, size: usize) -> Result<()> {
+    let desc = sys::CUmemAccessDesc {
+        location: prop.location,
+        flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+    };
+    // SAFETY: one valid access descriptor; the driver validates the range.
+    check(
+        unsafe { sys::cuMemSetAccess(addr as sys::CUdeviceptr, size, &desc, 1) },
+        &format!("cuMemSetAccess({addr:#x}, {size})"),
+    )
+}
+
 /// Pops the context that [`CudaDriver::in_context`] pushed, also when the body unwinds.
 struct PopOnDrop;
 
@@ -822,17 +836,76 @@ impl Driver for CudaDriver {
                 handles.push(PhysHandle(h));
                 at += len;
             }
-            let desc = sys::CUmemAccessDesc {
-                location: prop.location,
-                flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-            };
             // One access call covers every mapping of the range.
-            // SAFETY: one valid access descriptor for the range just mapped.
-            let access = check(
-                unsafe { sys::cuMemSetAccess(addr as sys::CUdeviceptr, size, &desc, 1) },
-                &format!("cuMemSetAccess({addr:#x}, {size})"),
-            );
-            access.map_err(|e| undo(handles, e))
+            set_access(&prop, addr, size).map_err(|e| undo(handles, e))
+        })
+    }
+
+    fn vmm_unmap_keep(&self, device: usize, maps: &[(usize, usize, PhysHandle)]) -> Result<()> {
+        self.vmm_prop(device)?;
+        self.in_device(device, || {
+            maps.iter().try_for_each(|&(addr, size, _)| {
+                // SAFETY: the driver validates the range; VMM symbols exist. The physical
+                // allocation stays alive (it is released only by `vmm_release`).
+                check(
+                    unsafe { sys::cuMemUnmap(addr as sys::CUdeviceptr, size) },
+                    &format!("cuMemUnmap({addr:#x}, {size})"),
+                )
+            })
+        })
+    }
+
+    fn vmm_map_kept(&self, device: usize, addr: usize, maps: &[(usize, PhysHandle)]) -> Result<()> {
+        let prop = self.vmm_prop(device)?;
+        let size: usize = maps.iter().map(|&(l, _)| l).sum();
+        self.in_device(device, || {
+            // Unmaps what this call mapped below `upto`, one mapping at a time (the
+            // allocations stay kept).
+            let undo = |upto: usize, e: Error| {
+                let mut at = addr;
+                for &(len, _) in maps {
+                    if at >= upto {
+                        break;
+                    }
+                    // SAFETY: [at, at + len) was mapped by this call.
+                    unsafe { sys::cuMemUnmap(at as sys::CUdeviceptr, len) };
+                    at += len;
+                }
+                e
+            };
+            let mut at = addr;
+            for &(len, h) in maps {
+                // SAFETY: the handle is a kept allocation of `len` bytes; the driver validates
+                // the range.
+                let mapped = check(
+                    unsafe {
+                        sys::cuMemMap(
+                            at as sys::CUdeviceptr,
+                            len,
+                            0,
+                            h.0 as sys::CUmemGenericAllocationHandle,
+                            0,
+                        )
+                    },
+                    &format!("cuMemMap({at:#x}, {len})"),
+                );
+                if let Err(e) = mapped {
+                    return Err(undo(at, e));
+                }
+                at += len;
+            }
+            set_access(&prop, addr, size).map_err(|e| undo(addr + size, e))
+        })
+    }
+
+    fn vmm_release(&self, device: usize, handle: PhysHandle) -> Result<()> {
+        self.vmm_prop(device)?;
+        self.in_device(device, || {
+            // SAFETY: the driver validates the handle; it is no longer mapped anywhere.
+            check(
+                unsafe { sys::cuMemRelease(handle.0 as sys::CUmemGenericAllocationHandle) },
+                "cuMemRelease",
+            )
         })
     }
 

@@ -159,6 +159,33 @@ pub trait Driver: Send + Sync {
         maps.iter()
             .try_for_each(|&(a, l, h)| self.vmm_unmap(device, a, l, h))
     }
+
+    /// Unmaps each `(addr, size, handle)` of `maps` (a mapping made by
+    /// [`Driver::vmm_map_many`] or [`Driver::vmm_map_kept`]) but keeps its physical
+    /// allocation, to be mapped again elsewhere by [`Driver::vmm_map_kept`] or given back by
+    /// [`Driver::vmm_release`] (`cuMemUnmap` without `cuMemRelease`). Stops at the first
+    /// error: the entries before it are unmapped and kept, the rest are as they were.
+    fn vmm_unmap_keep(&self, device: usize, maps: &[(usize, usize, PhysHandle)]) -> Result<()> {
+        let _ = (device, maps);
+        Err(no_vmm(self.name()))
+    }
+
+    /// Maps physical allocations kept by [`Driver::vmm_unmap_keep`] back to back from `addr`
+    /// (inside a reserved range, granularity-aligned), each `(size, handle)` of `maps` being
+    /// one allocation and its size, and makes the range readable and writable by `device`
+    /// (`cuMemMap` of each, one `cuMemSetAccess`). Moving memory this way costs no
+    /// `cuMemRelease` and `cuMemCreate`. All or nothing: on error nothing of this call stays
+    /// mapped, and the allocations stay kept.
+    fn vmm_map_kept(&self, device: usize, addr: usize, maps: &[(usize, PhysHandle)]) -> Result<()> {
+        let _ = (device, addr, maps);
+        Err(no_vmm(self.name()))
+    }
+
+    /// Releases a physical allocation kept by [`Driver::vmm_unmap_keep`] (`cuMemRelease`).
+    fn vmm_release(&self, device: usize, handle: PhysHandle) -> Result<()> {
+        let _ = (device, handle);
+        Err(no_vmm(self.name()))
+    }
 }
 
 /// Which backend `TENSORALLOC_DRIVER` asks for.

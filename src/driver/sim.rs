@@ -99,8 +99,16 @@ pub struct SimCounters {
     pub host_register: AtomicU64,
     pub host_unregister: AtomicU64,
     pub vmm_reserve: AtomicU64,
+    /// Physical allocations created and mapped.
     pub vmm_map: AtomicU64,
+    /// Physical allocations unmapped and released.
     pub vmm_unmap: AtomicU64,
+    /// Physical allocations unmapped and kept ([`Driver::vmm_unmap_keep`]).
+    pub vmm_unmap_keep: AtomicU64,
+    /// Kept physical allocations mapped again ([`Driver::vmm_map_kept`]).
+    pub vmm_map_kept: AtomicU64,
+    /// Kept physical allocations released ([`Driver::vmm_release`]).
+    pub vmm_release: AtomicU64,
 }
 
 /// One device's address range and its free list.
@@ -139,6 +147,9 @@ struct VmmState {
     /// Mapped physical allocations, as runs made by one call: start -> run.
     by_addr: BTreeMap<u64, Run>,
     next_handle: u64,
+    /// Physical allocations unmapped but not released, as (handle, size): a few at a time,
+    /// between an unmapping and the growth that maps them again.
+    kept: Vec<(u64, u64)>,
 }
 
 /// Physical allocations mapped back to back by one call: `[start, end)` in allocations of
@@ -152,6 +163,29 @@ struct Run {
 }
 
 impl VmmState {
+    /// Whether `[addr, addr + size)` lies inside one reserved range.
+    fn reserved(&self, addr: u64, size: u64) -> bool {
+        self.ranges
+            .range(..=addr)
+            .next_back()
+            .is_some_and(|(&s, &l)| addr + size <= s + l)
+    }
+
+    /// Refuses a range any part of which is mapped.
+    fn check_unmapped(&self, addr: u64, size: u64) -> Result<()> {
+        let overlaps = self
+            .by_addr
+            .range(..addr + size)
+            .next_back()
+            .is_some_and(|(_, run)| run.end > addr);
+        if overlaps {
+            return Err(Error::Driver(format!(
+                "CUDA_ERROR_INVALID_VALUE: [{addr:#x}, +{size}) is already mapped"
+            )));
+        }
+        Ok(())
+    }
+
     /// Unmaps the longest prefix of `maps` whose entries are consecutive allocations of one
     /// run, keeping the allocations around them. Returns how many it unmapped: 0 when the
     /// first entry is not exactly an allocation of some run.
@@ -391,12 +425,7 @@ impl SimDevice {
         let (addr, size, handle) = (addr as u64, size as u64, handle as u64);
         let g = SIM_GRANULARITY as u64;
         let mut st = self.state.lock();
-        let inside = st
-            .vmm
-            .ranges
-            .range(..=addr)
-            .next_back()
-            .is_some_and(|(&s, &l)| addr + size <= s + l);
+        let inside = st.vmm.reserved(addr, size);
         if size == 0
             || handle == 0
             || !addr.is_multiple_of(g)
@@ -408,17 +437,7 @@ impl SimDevice {
                 "CUDA_ERROR_INVALID_VALUE: cannot map [{addr:#x}, +{size}): not a granularity-aligned part of a reserved range"
             )));
         }
-        let overlaps = st
-            .vmm
-            .by_addr
-            .range(..addr + size)
-            .next_back()
-            .is_some_and(|(_, run)| run.end > addr);
-        if overlaps {
-            return Err(Error::Driver(format!(
-                "CUDA_ERROR_INVALID_VALUE: [{addr:#x}, +{size}) is already mapped"
-            )));
-        }
+        st.vmm.check_unmapped(addr, size)?;
         if st.used + size > self.capacity {
             return Err(Error::OutOfMemory(format!(
                 "simulated device has {} bytes free of {}, {size} requested",
@@ -426,22 +445,7 @@ impl SimDevice {
                 self.capacity
             )));
         }
-        if self.backed {
-            // SAFETY: the range lies inside our own PROT_NONE reservation (checked above).
-            let r = unsafe {
-                libc::mprotect(
-                    addr as *mut libc::c_void,
-                    size as usize,
-                    libc::PROT_READ | libc::PROT_WRITE,
-                )
-            };
-            if r != 0 {
-                return Err(Error::Driver(format!(
-                    "simulated device: cannot map pages: {}",
-                    std::io::Error::last_os_error()
-                )));
-            }
-        }
+        self.make_accessible(addr, size)?;
         st.used += size;
         let first = st.vmm.next_handle + 1;
         let count = size.div_ceil(handle);
@@ -458,8 +462,9 @@ impl SimDevice {
         Ok(())
     }
 
-    /// Unmaps each mapping of `maps` under one lock, stopping at the first that is not one.
-    fn vmm_unmap_many(&self, maps: &[(usize, usize, PhysHandle)]) -> Result<()> {
+    /// Unmaps each mapping of `maps` under one lock, stopping at the first that is not one;
+    /// releases their memory, or with `keep` keeps it for [`SimDevice::vmm_map_kept`].
+    fn vmm_unmap_many(&self, maps: &[(usize, usize, PhysHandle)], keep: bool) -> Result<()> {
         let mut st = self.state.lock();
         let mut done = 0;
         while done < maps.len() {
@@ -471,8 +476,12 @@ impl SimDevice {
                     handle.0
                 )));
             }
-            for &(addr, size, _) in &maps[done..done + n] {
-                st.used -= size as u64;
+            for &(addr, size, handle) in &maps[done..done + n] {
+                if keep {
+                    st.vmm.kept.push((handle.0, size as u64));
+                } else {
+                    st.used -= size as u64;
+                }
                 if self.backed {
                     // SAFETY: the range was mapped read-write by vmm_map_many inside our own
                     // reservation; dropping its pages and making it inaccessible again
@@ -485,6 +494,102 @@ impl SimDevice {
             }
             done += n;
         }
+        Ok(())
+    }
+}
+
+impl SimDevice {
+    /// Makes `[addr, addr + size)`, inside one of this device's reservations (checked by the
+    /// caller), readable and writable.
+    fn make_accessible(&self, addr: u64, size: u64) -> Result<()> {
+        if self.backed {
+            // SAFETY: the range lies inside our own PROT_NONE reservation.
+            let r = unsafe {
+                libc::mprotect(
+                    addr as *mut libc::c_void,
+                    size as usize,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                )
+            };
+            if r != 0 {
+                return Err(Error::Driver(format!(
+                    "simulated device: cannot map pages: {}",
+                    std::io::Error::last_os_error()
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Maps kept allocations back to back from `addr`; all or nothing. The simulated device
+    /// does not carry their contents along.
+    fn vmm_map_kept(&self, addr: usize, maps: &[(usize, PhysHandle)]) -> Result<()> {
+        let g = SIM_GRANULARITY as u64;
+        let addr = addr as u64;
+        let size: u64 = maps.iter().map(|&(l, _)| l as u64).sum();
+        let mut st = self.state.lock();
+        let inside = st.vmm.reserved(addr, size);
+        // Usually the allocations kept last, in order (an unmapping, then the growth that maps
+        // them again): then they are found without a search.
+        let is_tail = st.vmm.kept.len() >= maps.len()
+            && st.vmm.kept[st.vmm.kept.len() - maps.len()..]
+                .iter()
+                .zip(maps)
+                .all(|(&k, &(l, h))| k == (h.0, l as u64));
+        let kept = is_tail
+            || maps
+                .iter()
+                .all(|&(l, h)| st.vmm.kept.contains(&(h.0, l as u64)));
+        if size == 0 || !addr.is_multiple_of(g) || !inside || !kept {
+            return Err(Error::Driver(format!(
+                "CUDA_ERROR_INVALID_VALUE: cannot map kept allocations at [{addr:#x}, +{size}): not kept allocations mapped into a granularity-aligned part of a reserved range"
+            )));
+        }
+        st.vmm.check_unmapped(addr, size)?;
+        self.make_accessible(addr, size)?;
+        if is_tail {
+            let left = st.vmm.kept.len() - maps.len();
+            st.vmm.kept.truncate(left);
+        } else {
+            st.vmm
+                .kept
+                .retain(|&(h, _)| !maps.iter().any(|&(_, m)| m.0 == h));
+        }
+        // One run per stretch of consecutively numbered allocations of one size.
+        let mut at = addr;
+        let mut rest = maps;
+        while let Some(&(l, h)) = rest.first() {
+            let n = rest
+                .iter()
+                .zip(h.0..)
+                .take_while(|&(&(len, m), want)| len == l && m.0 == want)
+                .count();
+            let end = at + (n * l) as u64;
+            st.vmm.by_addr.insert(
+                at,
+                Run {
+                    end,
+                    each: l as u64,
+                    first: h.0,
+                },
+            );
+            at = end;
+            rest = &rest[n..];
+        }
+        Ok(())
+    }
+
+    fn vmm_release(&self, handle: PhysHandle) -> Result<()> {
+        let mut st = self.state.lock();
+        // Callers release the allocations they kept last first: search from the end.
+        let found = st.vmm.kept.iter().rposition(|&(h, _)| h == handle.0);
+        let Some((_, size)) = found.map(|i| st.vmm.kept.remove(i)) else {
+            return Err(Error::Driver(format!(
+                "CUDA_ERROR_INVALID_VALUE: handle {} is not a kept allocation",
+                handle.0
+            )));
+        };
+        st.used -= size;
         Ok(())
     }
 }
@@ -651,6 +756,23 @@ impl SimDriver {
                 .map(|(&a, r)| r.end - a)
                 .sum()
         })
+    }
+
+    /// Unmaps `maps`, keeping their allocations with `keep`, and counts them.
+    fn unmap_counted(
+        &self,
+        device: usize,
+        maps: &[(usize, usize, PhysHandle)],
+        keep: bool,
+    ) -> Result<()> {
+        self.vmm_device(device)?.vmm_unmap_many(maps, keep)?;
+        let counter = if keep {
+            &self.counters.vmm_unmap_keep
+        } else {
+            &self.counters.vmm_unmap
+        };
+        counter.fetch_add(maps.len() as u64, Ordering::Relaxed);
+        Ok(())
     }
 
     fn vmm_device(&self, device: usize) -> Result<&SimDevice> {
@@ -909,10 +1031,24 @@ impl Driver for SimDriver {
     }
 
     fn vmm_unmap_many(&self, device: usize, maps: &[(usize, usize, PhysHandle)]) -> Result<()> {
-        self.vmm_device(device)?.vmm_unmap_many(maps)?;
+        self.unmap_counted(device, maps, false)
+    }
+
+    fn vmm_unmap_keep(&self, device: usize, maps: &[(usize, usize, PhysHandle)]) -> Result<()> {
+        self.unmap_counted(device, maps, true)
+    }
+
+    fn vmm_map_kept(&self, device: usize, addr: usize, maps: &[(usize, PhysHandle)]) -> Result<()> {
+        self.vmm_device(device)?.vmm_map_kept(addr, maps)?;
         self.counters
-            .vmm_unmap
+            .vmm_map_kept
             .fetch_add(maps.len() as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn vmm_release(&self, device: usize, handle: PhysHandle) -> Result<()> {
+        self.vmm_device(device)?.vmm_release(handle)?;
+        Self::bump(&self.counters.vmm_release);
         Ok(())
     }
 }

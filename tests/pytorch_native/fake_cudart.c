@@ -12,49 +12,80 @@
 #include <string.h>
 
 #define TOTAL_BYTES (80ull << 30)
-#define SPAN_BYTES (1ull << 40)
 
-// Device addresses are numbers in a span no host mapping uses; nothing ever touches them.
+// Device addresses are numbers that nothing ever touches. cudaMalloc takes the lowest free
+// range that fits (sizes rounded to 512 bytes) in a span of twice the capacity, as
+// tensoralloc's simulated device does: the two allocators then see segments in the same
+// address order, so ties in best fit (which PyTorch breaks by address) fall alike.
 #define SPAN_BASE (1ull << 44)
-static size_t next_offset;
+#define SPAN_BYTES (2 * TOTAL_BYTES)
 static size_t used_bytes;
 
-struct live {
-  void *ptr;
-  size_t size;
+struct range {
+  uint64_t start, len;
 };
-static struct live *lives;
-static size_t nlives, caplives;
+// Free ranges in address order, and live allocations.
+static struct range *holes, *lives;
+static size_t nholes, capholes, nlives, caplives;
+
+static void push(struct range **v, size_t *n, size_t *cap, size_t at, struct range r) {
+  if (*n == *cap) {
+    *cap = *cap ? *cap * 2 : 256;
+    *v = realloc(*v, *cap * sizeof **v);
+    if (!*v) abort();
+  }
+  memmove(*v + at + 1, *v + at, (*n - at) * sizeof **v);
+  (*v)[at] = r;
+  (*n)++;
+}
+
+static void drop(struct range *v, size_t *n, size_t at) {
+  memmove(v + at, v + at + 1, (*n - at - 1) * sizeof *v);
+  (*n)--;
+}
 
 cudaError_t cudaMalloc(void **out, size_t size) {
   if (!out) return cudaErrorInvalidValue;
-  size_t rounded = (size + 511) & ~(size_t)511;
-  if (used_bytes + rounded > TOTAL_BYTES || next_offset + rounded > SPAN_BYTES) {
-    *out = NULL;
-    return cudaErrorMemoryAllocation;
+  *out = NULL;
+  if (!holes && !nholes) push(&holes, &nholes, &capholes, 0, (struct range){SPAN_BASE, SPAN_BYTES});
+  uint64_t rounded = ((uint64_t)(size ? size : 1) + 511) & ~(uint64_t)511;
+  if (used_bytes + rounded > TOTAL_BYTES) return cudaErrorMemoryAllocation;
+  for (size_t i = 0; i < nholes; i++) {
+    if (holes[i].len < rounded) continue;
+    uint64_t start = holes[i].start;
+    holes[i].start += rounded;
+    holes[i].len -= rounded;
+    if (!holes[i].len) drop(holes, &nholes, i);
+    push(&lives, &nlives, &caplives, nlives, (struct range){start, rounded});
+    used_bytes += rounded;
+    *out = (void *)(uintptr_t)start;
+    return cudaSuccess;
   }
-  if (nlives == caplives) {
-    caplives = caplives ? caplives * 2 : 1024;
-    lives = realloc(lives, caplives * sizeof *lives);
-    if (!lives) abort();
-  }
-  *out = (void *)(uintptr_t)(SPAN_BASE + next_offset);
-  lives[nlives++] = (struct live){*out, rounded};
-  next_offset += rounded;
-  used_bytes += rounded;
-  return cudaSuccess;
+  return cudaErrorMemoryAllocation;
 }
 
 cudaError_t cudaFree(void *ptr) {
   if (!ptr) return cudaSuccess;
-  for (size_t i = 0; i < nlives; i++) {
-    if (lives[i].ptr == ptr) {
-      used_bytes -= lives[i].size;
-      lives[i] = lives[--nlives];
-      return cudaSuccess;
-    }
+  uint64_t start = (uint64_t)(uintptr_t)ptr;
+  size_t k = 0;
+  while (k < nlives && lives[k].start != start) k++;
+  if (k == nlives) return cudaErrorInvalidValue;
+  uint64_t len = lives[k].len;
+  drop(lives, &nlives, k);
+  used_bytes -= len;
+  size_t at = 0;
+  while (at < nholes && holes[at].start < start) at++;
+  // Coalesce with the neighbouring free ranges.
+  if (at < nholes && start + len == holes[at].start) {
+    len += holes[at].len;
+    drop(holes, &nholes, at);
   }
-  return cudaErrorInvalidValue;
+  if (at > 0 && holes[at - 1].start + holes[at - 1].len == start) {
+    holes[at - 1].len += len;
+  } else {
+    push(&holes, &nholes, &capholes, at, (struct range){start, len});
+  }
+  return cudaSuccess;
 }
 
 cudaError_t cudaMemGetInfo(size_t *free_bytes, size_t *total) {

@@ -3,10 +3,14 @@
 // functions, in one process, alternating rounds.
 //
 // Usage: replay OPS_FILE...   (environment: ROUNDS, default 5; EXACT=0 skips the statistics
-// comparison, for tensoralloc settings that are not PyTorch's. Both allocators read their
+// comparison, for tensoralloc settings that are not PyTorch's; FRACTION sets both allocators'
+// memory fraction of device 0, as torch.cuda.set_per_process_memory_fraction does. Both read their
 // settings from the environment: PYTORCH_CUDA_ALLOC_CONF, and TENSORALLOC_CONF before it.)
 // An ops file (written by tests/support/pytorch_native.rs) holds `# events N`, then one line
 // per call: `a SLOT SIZE STREAM` allocates SIZE bytes on STREAM into SLOT, `f SLOT` frees it.
+//
+// A request either allocator cannot serve fails (PyTorch's OutOfMemoryError, tensoralloc's
+// NULL) and the replay goes on, skipping that allocation's free.
 //
 // Prints per trace the thread CPU time per call and per trace event of each allocator (best
 // round), their ratio, and each one's peak reserved bytes. After every trace it compares all
@@ -95,8 +99,13 @@ double run_pytorch(const Trace& t, uint64_t base, std::vector<void*>& ptrs) {
   double start = thread_ns();
   for (const Op& op : t.ops) {
     if (op.alloc) {
-      ptrs[op.slot] = alloc::raw_alloc_with_stream(op.size, as_stream(base + op.stream));
-    } else {
+      try {
+        ptrs[op.slot] = alloc::raw_alloc_with_stream(op.size, as_stream(base + op.stream));
+      } catch (const c10::OutOfMemoryError&) {
+        // Counted in PyTorch's num_ooms; the call fails as tensoralloc's returns NULL.
+        ptrs[op.slot] = nullptr;
+      }
+    } else if (ptrs[op.slot]) {
       alloc::raw_delete(ptrs[op.slot]);
       ptrs[op.slot] = nullptr;
     }
@@ -115,15 +124,10 @@ double run_tensoralloc(const Trace& t, uint64_t base, std::vector<void*>& ptrs,
   for (const Op& op : t.ops) {
     if (op.alloc) {
       uint64_t s = base + op.stream;
-      void* p = tensoralloc_malloc(op.size, 0, as_stream(s));
-      if (!p && op.size) {
-        std::fprintf(stderr, "%s: tensoralloc_malloc(%" PRIu64 ") failed: %s\n", t.name.c_str(),
-                     op.size, tensoralloc_last_error());
-        std::exit(1);
-      }
-      ptrs[op.slot] = p;
+      // An out-of-memory failure returns NULL (and counts in num_ooms), as PyTorch's throws.
+      ptrs[op.slot] = tensoralloc_malloc(op.size, 0, as_stream(s));
       streams[op.slot] = s;
-    } else {
+    } else if (ptrs[op.slot]) {
       tensoralloc_free(ptrs[op.slot], 0, 0, as_stream(streams[op.slot]));
       ptrs[op.slot] = nullptr;
     }
@@ -200,6 +204,10 @@ int main(int argc, char** argv) {
   const char* exact_env = std::getenv("EXACT");
   bool exact = !exact_env || std::string(exact_env) != "0";
   alloc::init(1);
+  if (const char* fraction = std::getenv("FRACTION")) {
+    alloc::setMemoryFraction(std::atof(fraction), 0);
+    tensoralloc_set_memory_fraction(std::atof(fraction), 0);
+  }
   std::printf("%-28s %7s %7s %10s %10s %10s %10s %6s %15s %15s\n", "trace", "events", "calls",
               "torch/call", "ours/call", "torch/evt", "ours/evt", "ratio", "torch peak res",
               "ours peak res");
