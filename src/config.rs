@@ -16,6 +16,12 @@ pub struct Config {
     /// PyTorch's `per_process_memory_fraction`: below 1.0, each device starts with this memory
     /// fraction set, as if `set_per_process_memory_fraction` had been called.
     pub per_process_memory_fraction: f64,
+    /// PyTorch's `large_segment_size_mb`: the segment (and expandable page) size for
+    /// large-pool requests under 10 MiB; 20 MiB by default.
+    pub large_segment_size: usize,
+    /// PyTorch's `max_non_split_rounding_mb`: how much larger than an oversize request a
+    /// cached oversize block may be and still serve it; the large segment size when `None`.
+    pub max_non_split_rounding: Option<usize>,
     /// Pin host memory by registering ordinary pages (`cuMemHostRegister`) instead of
     /// allocating pinned memory from the driver.
     pub pinned_use_host_register: bool,
@@ -56,6 +62,8 @@ impl Default for Config {
             max_split_size: usize::MAX,
             garbage_collection_threshold: 0.0,
             per_process_memory_fraction: 1.0,
+            large_segment_size: crate::device::size::LARGE_BUFFER,
+            max_non_split_rounding: None,
             pinned_use_host_register: false,
             pinned_num_register_threads: 1,
             pinned_round_power2: true,
@@ -97,15 +105,18 @@ impl Config {
                 .ok_or_else(|| Error::Config(format!("`{item}` is not a `key:value` pair")))?;
             let (key, value) = (key.trim(), value.trim());
             match key {
-                "max_split_size_mb" => {
-                    let mb: usize = parse_number(key, value)?;
-                    // PyTorch requires more than the 20 MiB large-segment size.
-                    if mb <= 20 {
-                        return Err(Error::Config(format!("max_split_size_mb must be more than 20, got {value}")));
+                "max_split_size_mb" => c.max_split_size = parse_mib(key, value)?,
+                "max_non_split_rounding_mb" => {
+                    c.max_non_split_rounding = Some(parse_mib(key, value)?)
+                }
+                "large_segment_size_mb" => {
+                    let bytes = parse_mib(key, value)?;
+                    if bytes <= 10 << 20 {
+                        return Err(Error::Config(format!(
+                            "large_segment_size_mb must be more than 10, got {value}"
+                        )));
                     }
-                    c.max_split_size = mb.checked_mul(1 << 20).ok_or_else(|| {
-                        Error::Config(format!("max_split_size_mb={value} is too large"))
-                    })?;
+                    c.large_segment_size = bytes;
                 }
                 "garbage_collection_threshold" => {
                     let t: f64 = value.parse().map_err(|_| bad(key, value, "a number"))?;
@@ -163,14 +174,39 @@ impl Config {
                     return Err(Error::Config(format!(
                         "unknown option `{key}` (known: max_split_size_mb, garbage_collection_threshold, \
                          pinned_use_cuda_host_register, pinned_num_register_threads, expandable_segments, \
-                         policy, roundup_power2_divisions, per_process_memory_fraction, backend, \
+                         policy, roundup_power2_divisions, per_process_memory_fraction, \
+                         large_segment_size_mb, max_non_split_rounding_mb, backend, \
                          release_lock_on_cudamalloc, pinned_use_background_threads, \
                          graph_capture_record_stream_reuse, pinned_reserve_segment_size_mb)"
                     )))
                 }
             }
         }
+        // As in PyTorch: nothing at least one large segment in size may be split, and an
+        // oversize block may exceed a request by at least a large segment.
+        let lss_mb = c.large_segment_size >> 20;
+        if c.max_split_size != usize::MAX && c.max_split_size < c.large_segment_size {
+            return Err(Error::Config(format!(
+                "max_split_size_mb must be at least the large segment size ({lss_mb} MiB), got {}",
+                c.max_split_size >> 20
+            )));
+        }
+        if let Some(r) = c
+            .max_non_split_rounding
+            .filter(|&r| r < c.large_segment_size)
+        {
+            return Err(Error::Config(format!(
+                "max_non_split_rounding_mb must be at least the large segment size ({lss_mb} MiB), got {}",
+                r >> 20
+            )));
+        }
         Ok(c)
+    }
+
+    /// How much larger than an oversize request a cached oversize block may be.
+    pub fn non_split_rounding(&self) -> usize {
+        self.max_non_split_rounding
+            .unwrap_or(self.large_segment_size)
     }
 }
 
@@ -264,6 +300,13 @@ fn parse_divisions(value: &str) -> Result<[usize; ROUNDUP_INTERVALS]> {
 
 fn bad(key: &str, value: &str, want: &str) -> Error {
     Error::Config(format!("{key}:{value}: the value must be {want}"))
+}
+
+/// A size in MiB, as bytes.
+fn parse_mib(key: &str, value: &str) -> Result<usize> {
+    let mb: usize = parse_number(key, value)?;
+    mb.checked_mul(1 << 20)
+        .ok_or_else(|| Error::Config(format!("{key}={value} is too large")))
 }
 
 fn parse_number<T: std::str::FromStr>(key: &str, value: &str) -> Result<T> {
@@ -388,6 +431,30 @@ mod tests {
         assert_eq!(c, Config::default());
         assert!(Config::parse("graph_capture_record_stream_reuse:maybe").is_err());
         assert!(Config::parse("pinned_reserve_segment_size_mb:lots").is_err());
+    }
+
+    #[test]
+    fn segment_size_settings_follow_pytorchs_rules() {
+        let c = Config::default();
+        assert_eq!(c.large_segment_size, 20 << 20);
+        assert_eq!(c.non_split_rounding(), 20 << 20);
+        assert!(
+            Config::parse("max_split_size_mb:20").is_ok(),
+            "as large as a segment"
+        );
+        assert!(Config::parse("max_split_size_mb:19").is_err());
+        let c = Config::parse("large_segment_size_mb:64,max_split_size_mb:64").unwrap();
+        assert_eq!(c.large_segment_size, 64 << 20);
+        assert_eq!(
+            c.non_split_rounding(),
+            64 << 20,
+            "defaults to the segment size"
+        );
+        assert!(Config::parse("max_split_size_mb:30,large_segment_size_mb:64").is_err());
+        assert!(Config::parse("large_segment_size_mb:10").is_err());
+        let c = Config::parse("max_non_split_rounding_mb:100").unwrap();
+        assert_eq!(c.non_split_rounding(), 100 << 20);
+        assert!(Config::parse("max_non_split_rounding_mb:5").is_err());
     }
 
     #[test]

@@ -48,7 +48,8 @@ fn default_policy_statistics_equal_pytorchs_on_real_traces() {
     assert_eq!(harness::peaks(&out).len(), s.ops.len(), "{out}");
 }
 
-/// PyTorch's settings give PyTorch's results too: `max_split_size_mb`, both forms of
+/// PyTorch's settings give PyTorch's results too: `max_split_size_mb`,
+/// `large_segment_size_mb`, `max_non_split_rounding_mb`, both forms of
 /// `roundup_power2_divisions`, and `garbage_collection_threshold` with a memory fraction (set
 /// by call or by `per_process_memory_fraction`),
 /// including fractions too small for the traces, where both fail the same requests.
@@ -57,6 +58,8 @@ fn settings_and_memory_fractions_give_pytorchs_statistics() {
     let s = Setup::new("settings");
     for (conf, fraction) in [
         ("max_split_size_mb:128", None),
+        ("large_segment_size_mb:40", None),
+        ("max_non_split_rounding_mb:100,max_split_size_mb:100", None),
         ("roundup_power2_divisions:4", None),
         ("roundup_power2_divisions:[256:1,512:2,>:8]", None),
         ("garbage_collection_threshold:0.5", Some("0.25")),

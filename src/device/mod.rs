@@ -67,6 +67,10 @@ pub struct DeviceAllocator {
     device: usize,
     driver: Arc<dyn Driver>,
     max_split_size: usize,
+    /// `max_non_split_rounding_mb` (by default the large segment size).
+    non_split_rounding: usize,
+    /// `large_segment_size_mb`: segments for large requests under 10 MiB.
+    large_segment_size: usize,
     gc_threshold: f64,
     gc_ages: gc::Ages,
     roundup_divisions: [usize; ROUNDUP_INTERVALS],
@@ -193,6 +197,8 @@ impl DeviceAllocator {
             device,
             driver,
             max_split_size: config.max_split_size,
+            non_split_rounding: config.non_split_rounding(),
+            large_segment_size: config.large_segment_size,
             gc_threshold: config.garbage_collection_threshold,
             gc_ages: gc::Ages::default(),
             roundup_divisions: config.roundup_power2_divisions,
@@ -382,7 +388,8 @@ impl DeviceAllocator {
             if !inner.pending.is_empty() && !self.capture_blocks(stream) {
                 self.process_events(shard, &mut inner);
             }
-            let found = inner.take_best_fit(pool, rounded, self.max_split_size);
+            let found =
+                inner.take_best_fit(pool, rounded, self.max_split_size, self.non_split_rounding);
             let from_index = found.is_some();
             let id = match found {
                 Some(id) => id,
@@ -500,7 +507,7 @@ impl DeviceAllocator {
         let layout = self.layout.as_ref().filter(|_| !shard.private);
         let seg = match layout {
             Some(_) => rounded,
-            None => segment_size(rounded),
+            None => segment_size(rounded, self.large_segment_size),
         };
         if collect && self.gc_threshold > 0.0 && !self.capture_blocks(stream) {
             self.collect_garbage(shard, inner, seg);

@@ -19,7 +19,7 @@
 use super::expandable::{Layout, Reclaim, Report};
 use super::history::Action;
 use super::shard::{ShardInner, StatSink, State, NONE};
-use super::size::{PoolKind, LARGE_BUFFER, SMALL_BUFFER};
+use super::size::{PoolKind, SMALL_BUFFER};
 use super::stats::{self, ShardStats, StatKind};
 use super::{DeviceAllocator, Shard};
 use crate::config::{Config, Policy};
@@ -50,7 +50,7 @@ pub(super) fn layout(driver: &dyn Driver, device: usize, config: &Config) -> Opt
     let pages = if compact {
         [granularity, granularity]
     } else {
-        [page(SMALL_BUFFER), page(LARGE_BUFFER)]
+        [page(SMALL_BUFFER), page(config.large_segment_size)]
     };
     // Room for 1 1/8 of the device, as PyTorch reserves: pages unmapped early in a range can
     // be mapped again at its end.

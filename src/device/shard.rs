@@ -340,6 +340,7 @@ impl ShardInner {
         pool: PoolKind,
         rounded: usize,
         max_split_size: usize,
+        non_split_rounding: usize,
     ) -> Option<u32> {
         let found = self.free_index(pool).find((rounded, 0, 0))?;
         let (mut size, _, mut id) = found.key;
@@ -347,7 +348,7 @@ impl ShardInner {
             (size, id) = self.prefer_settled(pool, size, id);
         }
         // Larger candidates would break the oversize rules too, so the first one decides.
-        if !super::size::block_fits(size, rounded, max_split_size) {
+        if !super::size::block_fits(size, rounded, max_split_size, non_split_rounding) {
             return None;
         }
         if id == found.key.2 {

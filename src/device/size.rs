@@ -6,7 +6,8 @@ pub(crate) const MIN_BLOCK_SIZE: usize = 512;
 pub(crate) const SMALL_SIZE: usize = 1 << 20;
 /// Segment size of the small pool.
 pub(crate) const SMALL_BUFFER: usize = 2 << 20;
-/// Segment size of the large pool for requests under [`MIN_LARGE_ALLOC`].
+/// Segment size of the large pool for requests under [`MIN_LARGE_ALLOC`], unless
+/// `large_segment_size_mb` sets another.
 pub(crate) const LARGE_BUFFER: usize = 20 << 20;
 /// Large requests from this size on get a segment of their own size (rounded to [`ROUND_LARGE`]).
 pub(crate) const MIN_LARGE_ALLOC: usize = 10 << 20;
@@ -52,12 +53,14 @@ pub fn round_size_with(size: usize, divisions: usize) -> usize {
     round_size(size)
 }
 
-/// Size of the segment to ask the driver for when no cached block fits `rounded` bytes.
-pub fn segment_size(rounded: usize) -> usize {
+/// Size of the segment to ask the driver for when no cached block fits `rounded` bytes, with
+/// large-pool requests under [`MIN_LARGE_ALLOC`] packed in segments of `large_segment` bytes
+/// ([`LARGE_BUFFER`] unless `large_segment_size_mb` says otherwise).
+pub fn segment_size(rounded: usize, large_segment: usize) -> usize {
     if rounded <= SMALL_SIZE {
         SMALL_BUFFER
     } else if rounded < MIN_LARGE_ALLOC {
-        LARGE_BUFFER
+        large_segment
     } else {
         rounded.next_multiple_of(ROUND_LARGE)
     }
@@ -81,12 +84,18 @@ pub fn should_split(
 
 /// Whether a cached block of `block_size` bytes may serve a request of `rounded` bytes given
 /// `max_split_size`: an oversize block is never handed to a smaller-than-oversize request, and
-/// an oversize request takes an oversize block only if the waste stays under [`LARGE_BUFFER`].
-pub fn block_fits(block_size: usize, rounded: usize, max_split_size: usize) -> bool {
+/// an oversize request takes an oversize block only if the waste stays under
+/// `non_split_rounding` (`max_non_split_rounding_mb`, by default the large segment size).
+pub fn block_fits(
+    block_size: usize,
+    rounded: usize,
+    max_split_size: usize,
+    non_split_rounding: usize,
+) -> bool {
     if rounded < max_split_size && block_size >= max_split_size {
         return false;
     }
-    if rounded >= max_split_size && block_size >= rounded.saturating_add(LARGE_BUFFER) {
+    if rounded >= max_split_size && block_size >= rounded.saturating_add(non_split_rounding) {
         return false;
     }
     true
@@ -142,12 +151,12 @@ mod tests {
 
     #[test]
     fn segment_sizes_follow_the_pool_rules() {
-        assert_eq!(segment_size(512), 2 << 20);
-        assert_eq!(segment_size(1 << 20), 2 << 20);
-        assert_eq!(segment_size((1 << 20) + 512), 20 << 20);
-        assert_eq!(segment_size((10 << 20) - 512), 20 << 20);
-        assert_eq!(segment_size(10 << 20), 10 << 20);
-        assert_eq!(segment_size((10 << 20) + 512), 12 << 20);
+        assert_eq!(segment_size(512, LARGE_BUFFER), 2 << 20);
+        assert_eq!(segment_size(1 << 20, LARGE_BUFFER), 2 << 20);
+        assert_eq!(segment_size((1 << 20) + 512, LARGE_BUFFER), 20 << 20);
+        assert_eq!(segment_size((10 << 20) - 512, LARGE_BUFFER), 20 << 20);
+        assert_eq!(segment_size(10 << 20, LARGE_BUFFER), 10 << 20);
+        assert_eq!(segment_size((10 << 20) + 512, LARGE_BUFFER), 12 << 20);
     }
 
     #[test]
