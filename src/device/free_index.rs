@@ -7,9 +7,13 @@
 //! same address, so it pops and pushes the ends of bins: its cost does not depend on how many
 //! blocks the pool holds.
 //!
-//! Larger sizes are kept in order: in a sorted vector while few (a vector beats a B-tree
-//! several times over at a handful of keys), in a B-tree when thousands (logarithmic updates
-//! win), switching between the two with hysteresis.
+//! Other sizes (the large pool's) go to size classes, 64 per power of two, also found through
+//! a two-level bitmap; each class keeps its keys in order, in a sorted vector while few (a
+//! vector beats a B-tree several times over at a handful of keys), in a B-tree when thousands
+//! of blocks fall into one class (logarithmic updates win), switching between the two with
+//! hysteresis. Classes are ordered as sizes are, so the first key at or above a key is in that
+//! key's class or is the first key of the next class in use: a search or an update touches
+//! one class's few keys, however many blocks the pool holds.
 
 use std::collections::BTreeSet;
 
@@ -21,7 +25,7 @@ const STEP: usize = 512;
 const BINNED_MAX: usize = BINS * STEP;
 const BINS: usize = 64 * 64;
 
-/// Above this many keys the ordered part becomes a B-tree...
+/// Above this many keys a class becomes a B-tree...
 const PROMOTE: usize = 64;
 /// ...and below this many it becomes a vector again.
 const DEMOTE: usize = 16;
@@ -30,7 +34,7 @@ const DEMOTE: usize = 16;
 #[derive(Default)]
 pub(crate) struct FreeIndex {
     bins: Bins,
-    ordered: Ordered,
+    classes: Classes,
     /// Counts insertions and removals: equal counts mean the same contents (see
     /// [`super::shard::Memo`]).
     generation: u64,
@@ -43,19 +47,21 @@ impl FreeIndex {
         self.generation
     }
 
+    #[inline(always)]
     pub fn insert(&mut self, key: Key) {
         self.generation += 1;
         match bin_of(key.0) {
             Some(b) => self.bins.insert(b, (key.1, key.2)),
-            None => self.ordered.insert(key),
+            None => self.classes.insert(key),
         }
     }
 
+    #[inline(always)]
     pub fn remove(&mut self, key: &Key) -> bool {
         self.generation += 1;
         match bin_of(key.0) {
             Some(b) => self.bins.remove(b, (key.1, key.2)),
-            None => self.ordered.remove(key),
+            None => self.classes.remove(key),
         }
     }
 
@@ -67,31 +73,34 @@ impl FreeIndex {
 
     /// The smallest key at or above `from`, with where it lies, so that
     /// [`FreeIndex::remove_found`] takes it out without searching again.
-    #[inline]
+    #[inline(always)]
     pub fn find(&self, from: Key) -> Option<Found> {
-        let binned = self
-            .bins
-            .first_at_least(from)
-            .map(|key| Found { key, at: None });
-        if self.ordered.is_empty() {
+        let binned = if from.0 <= BINNED_MAX {
+            self.bins
+                .first_at_least(from)
+                .map(|key| Found { key, at: None })
+        } else {
+            None
+        };
+        if self.classes.0.used.is_empty() {
             return binned;
         }
-        match (binned, self.ordered.find(from)) {
+        match (binned, self.classes.find(from)) {
             (Some(a), Some(b)) => Some(if b.key < a.key { b } else { a }),
             (a, b) => a.or(b),
         }
     }
 
     /// Removes the key `found` by [`FreeIndex::find`], with no change to the index since.
-    #[inline]
+    #[inline(always)]
     pub fn remove_found(&mut self, found: &Found) {
-        match (found.at, &mut self.ordered) {
-            (Some(at), Ordered::Sorted(v)) => {
-                debug_assert_eq!(v[at], found.key);
+        match found.at {
+            Some((class, at)) => {
                 self.generation += 1;
-                v.remove(at);
+                self.classes
+                    .remove_at(class as usize, at as usize, &found.key);
             }
-            _ => {
+            None => {
                 self.remove(&found.key);
             }
         }
@@ -106,12 +115,12 @@ impl FreeIndex {
     /// Every key, in order.
     pub fn iter(&self) -> Box<dyn Iterator<Item = Key> + '_> {
         let mut binned = self.bins.iter().peekable();
-        let mut ordered = self.ordered.iter().peekable();
+        let mut classed = self.classes.iter().peekable();
         Box::new(std::iter::from_fn(move || {
-            match (binned.peek(), ordered.peek()) {
-                (Some(a), Some(b)) if b < a => ordered.next(),
+            match (binned.peek(), classed.peek()) {
+                (Some(a), Some(b)) if b < a => classed.next(),
                 (Some(_), _) => binned.next(),
-                _ => ordered.next(),
+                _ => classed.next(),
             }
         }))
     }
@@ -121,48 +130,138 @@ impl FreeIndex {
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Found {
     pub key: Key,
-    /// Its position in the sorted vector of the ordered part, if it lies there.
-    at: Option<usize>,
+    /// Its class and position in that class's sorted vector, if it lies in one.
+    at: Option<(u32, u32)>,
 }
 
 /// The bin of blocks of exactly `size` bytes, if such sizes are binned.
 #[inline]
 fn bin_of(size: usize) -> Option<usize> {
-    (size.is_multiple_of(STEP) && (STEP..=BINNED_MAX).contains(&size)).then(|| size / STEP - 1)
+    // Size 0 wraps to a bin past the last.
+    let bin = (size / STEP).wrapping_sub(1);
+    (size.is_multiple_of(STEP) && bin < BINS).then_some(bin)
 }
 
-/// The bins of 64 consecutive sizes: (address, id), highest first.
-type Group = [Vec<(usize, u32)>; 64];
-
-/// One list of blocks per binned size, with a bitmap of the lists that are not empty.
-struct Bins {
-    /// Bit `g`: `used[g]` is not 0.
+/// A set of up to 64 × 64 numbers, with the next member at or after a number in a few
+/// instructions.
+struct Bitmap {
+    /// Bit `g`: `words[g]` is not 0.
     groups: u64,
-    /// Bit `b` of `used[g]`: bin `64 * g + b` is not empty.
-    used: [u64; 64],
-    /// Groups of bins, made when first used.
-    lists: [Option<Box<Group>>; 64],
+    /// Bit `b` of `words[g]`: `64 * g + b` is a member.
+    words: [u64; 64],
 }
 
-impl Default for Bins {
+impl Default for Bitmap {
     fn default() -> Self {
-        Bins {
+        Bitmap {
             groups: 0,
-            used: [0; 64],
-            lists: std::array::from_fn(|_| None),
+            words: [0; 64],
         }
     }
 }
 
-impl Bins {
-    fn list(&self, bin: usize) -> &[(usize, u32)] {
-        self.lists[bin / 64].as_ref().map_or(&[], |g| &g[bin % 64])
+impl Bitmap {
+    #[inline]
+    fn is_empty(&self) -> bool {
+        self.groups == 0
     }
 
+    #[inline]
+    fn contains(&self, n: usize) -> bool {
+        self.words[n / 64] & (1 << (n % 64)) != 0
+    }
+
+    #[inline]
+    fn set(&mut self, n: usize) {
+        let (g, b) = (n / 64, n % 64);
+        self.words[g] |= 1 << b;
+        self.groups |= 1 << g;
+    }
+
+    #[inline]
+    fn clear(&mut self, n: usize) {
+        let (g, b) = (n / 64, n % 64);
+        self.words[g] &= !(1 << b);
+        if self.words[g] == 0 {
+            self.groups &= !(1 << g);
+        }
+    }
+
+    /// The first member at or after `n` (`n` may be 64 × 64).
+    #[inline]
+    fn next(&self, n: usize) -> Option<usize> {
+        let (g, b) = (n / 64, n % 64);
+        if g < 64 {
+            let here = self.words[g] & (u64::MAX << b);
+            if here != 0 {
+                return Some(g * 64 + here.trailing_zeros() as usize);
+            }
+        }
+        let later = self.groups & u64::MAX.checked_shl(g as u32 + 1).unwrap_or(0);
+        if later == 0 {
+            return None;
+        }
+        let g = later.trailing_zeros() as usize;
+        Some(g * 64 + self.words[g].trailing_zeros() as usize)
+    }
+}
+
+/// 64 × 64 numbered slots of `T`, made in groups of 64 when first used, with a bitmap of the
+/// slots in use (whose content the owner keeps non-empty).
+struct Slots<T> {
+    used: Bitmap,
+    groups: [Option<Box<[T; 64]>>; 64],
+}
+
+impl<T: Default> Default for Slots<T> {
+    fn default() -> Self {
+        Slots {
+            used: Bitmap::default(),
+            groups: std::array::from_fn(|_| None),
+        }
+    }
+}
+
+impl<T: Default> Slots<T> {
+    /// Slot `n`, if its group was made.
+    #[inline(always)]
+    fn get(&self, n: usize) -> Option<&T> {
+        self.groups[n / 64].as_ref().map(|g| &g[n % 64])
+    }
+
+    #[inline(always)]
+    fn get_mut(&mut self, n: usize) -> Option<&mut T> {
+        self.groups[n / 64].as_mut().map(|g| &mut g[n % 64])
+    }
+
+    /// Slot `n`, its group made if it has none yet.
+    #[inline(always)]
+    fn get_or_new(&mut self, n: usize) -> &mut T {
+        let group = &mut self.groups[n / 64];
+        match group {
+            Some(g) => &mut g[n % 64],
+            None => &mut Self::new_group(group)[n % 64],
+        }
+    }
+
+    #[cold]
+    fn new_group(group: &mut Option<Box<[T; 64]>>) -> &mut [T; 64] {
+        group.insert(Box::new(std::array::from_fn(|_| T::default())))
+    }
+}
+
+/// One list of blocks per binned size, (address, id) highest first.
+#[derive(Default)]
+struct Bins(Slots<Vec<(usize, u32)>>);
+
+impl Bins {
+    fn list(&self, bin: usize) -> &[(usize, u32)] {
+        self.0.get(bin).map_or(&[], |v| v)
+    }
+
+    #[inline(always)]
     fn insert(&mut self, bin: usize, entry: (usize, u32)) {
-        let (g, b) = (bin / 64, bin % 64);
-        let list = &mut self.lists[g]
-            .get_or_insert_with(|| Box::new(std::array::from_fn(|_| Vec::new())))[b];
+        let list = self.0.get_or_new(bin);
         // The usual case: the lowest address of its size (a block given back where it was taken).
         if list.last().is_none_or(|last| *last > entry) {
             list.push(entry);
@@ -170,16 +269,14 @@ impl Bins {
             let at = list.partition_point(|e| *e > entry);
             list.insert(at, entry);
         }
-        self.used[g] |= 1 << b;
-        self.groups |= 1 << g;
+        self.0.used.set(bin);
     }
 
+    #[inline(always)]
     fn remove(&mut self, bin: usize, entry: (usize, u32)) -> bool {
-        let (g, b) = (bin / 64, bin % 64);
-        let Some(group) = self.lists[g].as_mut() else {
+        let Some(list) = self.0.get_mut(bin) else {
             return false;
         };
-        let list = &mut group[b];
         if list.last() == Some(&entry) {
             list.pop();
         } else {
@@ -191,41 +288,19 @@ impl Bins {
             }
         }
         if list.is_empty() {
-            self.used[g] &= !(1 << b);
-            if self.used[g] == 0 {
-                self.groups &= !(1 << g);
-            }
+            self.0.used.clear(bin);
         }
         true
     }
 
-    /// The first non-empty bin at or after `bin`.
-    #[inline]
-    fn next_used(&self, bin: usize) -> Option<usize> {
-        let (g, b) = (bin / 64, bin % 64);
-        let here = self.used[g] & (u64::MAX << b);
-        if here != 0 {
-            return Some(g * 64 + here.trailing_zeros() as usize);
-        }
-        let later = self.groups & u64::MAX.checked_shl(g as u32 + 1).unwrap_or(0);
-        if later == 0 {
-            return None;
-        }
-        let g = later.trailing_zeros() as usize;
-        Some(g * 64 + self.used[g].trailing_zeros() as usize)
-    }
-
-    #[inline]
+    #[inline(always)]
     fn first_at_least(&self, from: Key) -> Option<Key> {
         let key = |bin: usize, (addr, id): (usize, u32)| ((bin + 1) * STEP, addr, id);
         // Bins of sizes above `from.0`: their lowest entry.
         let above = |bin: usize| {
-            let b = self.next_used(bin)?;
+            let b = self.0.used.next(bin)?;
             self.list(b).last().map(|&e| key(b, e))
         };
-        if from.0 > BINNED_MAX {
-            return None;
-        }
         let first = from.0.div_ceil(STEP).max(1) - 1;
         if (first + 1) * STEP != from.0 {
             return above(first);
@@ -235,20 +310,113 @@ impl Bins {
         let at = list.partition_point(|e| *e >= (from.1, from.2));
         match at.checked_sub(1) {
             Some(i) => Some(key(first, list[i])),
-            None if first + 1 < BINS => above(first + 1),
-            None => None,
+            None => above(first + 1),
         }
     }
 
     fn iter(&self) -> impl Iterator<Item = Key> + '_ {
         (0..BINS)
-            .filter(|&b| self.used[b / 64] & (1 << (b % 64)) != 0)
+            .filter(|&b| self.0.used.contains(b))
             .flat_map(move |b| {
                 self.list(b)
                     .iter()
                     .rev()
                     .map(move |&(addr, id)| ((b + 1) * STEP, addr, id))
             })
+    }
+}
+
+/// The size class of `size`: sizes below 64 each have their own; above, each power of two
+/// is cut into 64 classes by the 6 bits after the leading one. Larger sizes have larger or
+/// equal classes, and every class is below 64 × 64.
+#[inline]
+fn class_of(size: usize) -> usize {
+    if size < 64 {
+        return size;
+    }
+    let e = (usize::BITS - 1 - size.leading_zeros()) as usize;
+    (e - 5) * 64 + ((size >> (e - 6)) & 63)
+}
+
+/// Keys in size classes, each class in order.
+#[derive(Default)]
+struct Classes(Slots<Ordered>);
+
+impl Classes {
+    /// Class `class`, which is in use.
+    #[inline(always)]
+    fn class(&self, class: usize) -> &Ordered {
+        self.0.get(class).expect("a class in use has its group")
+    }
+
+    /// Class `class`, which is in use.
+    #[inline(always)]
+    fn class_mut(&mut self, class: usize) -> &mut Ordered {
+        self.0.get_mut(class).expect("a class in use has its group")
+    }
+
+    #[inline(always)]
+    fn insert(&mut self, key: Key) {
+        let class = class_of(key.0);
+        self.0.get_or_new(class).insert(key);
+        self.0.used.set(class);
+    }
+
+    #[inline(always)]
+    fn remove(&mut self, key: &Key) -> bool {
+        let class = class_of(key.0);
+        if !self.0.used.contains(class) {
+            return false;
+        }
+        let list = self.class_mut(class);
+        let removed = list.remove(key);
+        if list.is_empty() {
+            self.0.used.clear(class);
+        }
+        removed
+    }
+
+    /// Removes `key`, at position `at` of class `class`'s sorted vector.
+    #[inline(always)]
+    fn remove_at(&mut self, class: usize, at: usize, key: &Key) {
+        let list = self.class_mut(class);
+        match list {
+            Ordered::Sorted(v) => {
+                debug_assert_eq!(v[at], *key);
+                v.remove(at);
+            }
+            Ordered::Tree(_) => {
+                list.remove(key);
+            }
+        }
+        if list.is_empty() {
+            self.0.used.clear(class);
+        }
+    }
+
+    #[inline(always)]
+    fn find(&self, from: Key) -> Option<Found> {
+        let class = class_of(from.0);
+        if self.0.used.contains(class) {
+            if let Some((key, at)) = self.class(class).find(from) {
+                return Some(Found {
+                    key,
+                    at: at.map(|at| (class as u32, at as u32)),
+                });
+            }
+        }
+        let next = self.0.used.next(class + 1)?;
+        let (key, at) = self.class(next).first();
+        Some(Found {
+            key,
+            at: at.map(|at| (next as u32, at as u32)),
+        })
+    }
+
+    fn iter(&self) -> impl Iterator<Item = Key> + '_ {
+        (0..BINS)
+            .filter(|&c| self.0.used.contains(c))
+            .flat_map(move |c| self.class(c).iter())
     }
 }
 
@@ -265,6 +433,7 @@ impl Default for Ordered {
 }
 
 impl Ordered {
+    #[inline]
     fn is_empty(&self) -> bool {
         match self {
             Ordered::Sorted(v) => v.is_empty(),
@@ -272,6 +441,7 @@ impl Ordered {
         }
     }
 
+    #[inline(always)]
     fn insert(&mut self, key: Key) {
         match self {
             Ordered::Sorted(v) => {
@@ -291,6 +461,7 @@ impl Ordered {
         }
     }
 
+    #[inline(always)]
     fn remove(&mut self, key: &Key) -> bool {
         match self {
             Ordered::Sorted(v) if v.last() == Some(key) => {
@@ -316,13 +487,24 @@ impl Ordered {
         }
     }
 
-    fn find(&self, from: Key) -> Option<Found> {
+    /// The first key at or above `from`, with its position if the keys are in a vector.
+    #[inline(always)]
+    fn find(&self, from: Key) -> Option<(Key, Option<usize>)> {
         match self {
             Ordered::Sorted(v) => {
                 let at = v.partition_point(|k| *k < from);
-                v.get(at).map(|&key| Found { key, at: Some(at) })
+                v.get(at).map(|&key| (key, Some(at)))
             }
-            Ordered::Tree(t) => t.range(from..).next().map(|&key| Found { key, at: None }),
+            Ordered::Tree(t) => t.range(from..).next().map(|&key| (key, None)),
+        }
+    }
+
+    /// The first key of a class in use, with its position if the keys are in a vector.
+    #[inline]
+    fn first(&self) -> (Key, Option<usize>) {
+        match self {
+            Ordered::Sorted(v) => (v[0], Some(0)),
+            Ordered::Tree(t) => (*t.first().expect("a class in use is not empty"), None),
         }
     }
 
@@ -350,11 +532,15 @@ mod tests {
             // Grow for a while, then shrink, so both representations are exercised.
             let grow = (step / 2000) % 2 == 0;
             let key = (
-                match x % 7 {
+                match x % 8 {
                     // Binned sizes, most of them.
                     0..=4 => (x % 50) as usize * 512,
-                    // Ordered ones: large, or not a multiple of 512.
+                    // Classed ones: many in one class (a B-tree), spread over many classes,
+                    // or not a multiple of 512.
                     5 => (2 << 20) + (x % 50) as usize * 512,
+                    6 => {
+                        (2 << 20) + ((x >> 4) % 4000) as usize * 512 * ((x >> 24) % 64 + 1) as usize
+                    }
                     _ => (x % 50) as usize * 512 + 100,
                 },
                 (x >> 8) as usize % 4096 * 512,
@@ -368,9 +554,10 @@ mod tests {
                 assert!(index.remove(&victim));
                 model.remove(&victim);
             }
-            let probe = match (x >> 40) % 3 {
+            let probe = match (x >> 40) % 4 {
                 0 => ((x >> 30) as usize % 60 * 512, 0, 0),
                 1 => ((2 << 20) + (x >> 30) as usize % 60 * 512, 0, 0),
+                2 => ((2 << 20) + (x >> 30) as usize % 300_000 * 512, 0, 0),
                 _ => (key.0, (x >> 12) as usize % 4096 * 512, step / 2),
             };
             assert_eq!(
@@ -389,5 +576,28 @@ mod tests {
         let probe = (20 * 512, 0, 0);
         assert!(index.iter_from(probe).eq(model.range(probe..).copied()));
         assert!(!index.remove(&(1, 1, 1)));
+        assert!(!index.remove(&(3 << 30, 1, 1)));
+    }
+
+    #[test]
+    fn size_classes_follow_sizes() {
+        let mut sizes: Vec<usize> = (0..usize::BITS)
+            .flat_map(|e| [1usize << e, (1 << e) + 1, (1 << e) | ((1 << e) - 1)])
+            .chain(0..5000)
+            .collect();
+        sizes.sort();
+        let mut last = 0;
+        for size in sizes {
+            let class = class_of(size);
+            assert!(
+                class >= last && class < 64 * 64,
+                "size {size}: class {class}"
+            );
+            last = class;
+        }
+        assert_eq!(class_of(usize::MAX), class_of(1 << 63) + 63);
+        // A power of two's 64 classes are as wide as each other.
+        assert_eq!(class_of((20 << 20) - 1) + 1, class_of(20 << 20));
+        assert_eq!(class_of(20 << 20), class_of((20 << 20) + (256 << 10) - 1));
     }
 }

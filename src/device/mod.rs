@@ -23,6 +23,7 @@ mod gc;
 pub mod graph;
 pub mod history;
 mod limit;
+mod live;
 mod policy;
 pub mod shard;
 pub mod size;
@@ -109,8 +110,8 @@ impl StatSink for Sink<'_> {
 /// segment): statistics that pass their limits are only marked, and settled once when the
 /// operation's sink is dropped, still under the shard's lock, rather than once per statistic.
 /// Exact because in these operations a statistic that rises past its limit ends at its
-/// highest value (decreases come first), so the settle sees the operation's peak as the
-/// shard's current state.
+/// highest value (each changes once, or decreases come first), so the settle sees the
+/// operation's peak as the shard's current state.
 struct OpSink<'a> {
     alloc: &'a DeviceAllocator,
     shard: &'a Shard,
@@ -243,6 +244,7 @@ impl DeviceAllocator {
         &self.driver
     }
 
+    #[inline(always)]
     fn shard(&self, stream: Stream) -> Result<&Shard> {
         self.shards.get_or_insert(stream, |index| Shard {
             stream,
@@ -293,8 +295,7 @@ impl DeviceAllocator {
     /// or another shard has an overdraft waiting, so that every shard must be settled. The
     /// caller holds the settle lock and `home`'s lock.
     fn settle_from_donors(&self, home: &Shard) -> bool {
-        home.stats.raise_top();
-        let mut wanted = home.stats.wanted();
+        let mut wanted = home.stats.raise_top_wanted();
         for donor in self.shards.iter() {
             // A donor that shows no headroom of what is wanted is not locked. Its counters are
             // read without its lock, so the look may be stale: a donor skipped wrongly only
@@ -611,6 +612,7 @@ impl DeviceAllocator {
         self.unallocate_from(shard, shard.inner.lock(), ptr)
     }
 
+    #[inline(always)]
     fn unallocate_from<'a>(
         &'a self,
         shard: &'a Shard,
@@ -621,6 +623,7 @@ impl DeviceAllocator {
         Some((shard, inner, id))
     }
 
+    #[inline(always)]
     fn finish_free(
         &self,
         shard: &Shard,

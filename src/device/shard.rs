@@ -11,12 +11,10 @@
 //! - a block is in its pool's free index exactly when its state is [`State::Free`];
 //! - `live` maps the address of every allocated block (state [`State::Allocated`]) to its id.
 
-use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
-
 use parking_lot::{Mutex, MutexGuard};
 
 use super::free_index::FreeIndex;
+use super::live::LiveTable;
 use super::size::{should_split, PoolKind};
 use super::stats::{aggregate, of_pool, StatKind, OVERSIZE_ALLOCATIONS, OVERSIZE_SEGMENTS};
 use crate::driver::{Event, Stream};
@@ -62,26 +60,6 @@ pub(crate) struct Block {
 impl Block {
     pub(crate) fn is_split(&self) -> bool {
         self.prev != NONE || self.next != NONE
-    }
-}
-
-/// Hasher for block addresses: addresses are 512-byte aligned and distinct, so one
-/// multiply spreads them well; SipHash would cost more than the rest of a lookup.
-#[derive(Default)]
-pub(crate) struct AddrHasher(u64);
-
-impl Hasher for AddrHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = (self.0 ^ b as u64).wrapping_mul(0x100_0000_01b3);
-        }
-    }
-    fn write_usize(&mut self, n: usize) {
-        let m = (n as u128).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-        self.0 = (m as u64) ^ ((m >> 64) as u64);
     }
 }
 
@@ -277,7 +255,7 @@ pub(crate) struct ShardInner {
     small: FreeIndex,
     large: FreeIndex,
     /// Allocated blocks by address.
-    pub live: HashMap<usize, u32, BuildHasherDefault<AddrHasher>>,
+    pub live: LiveTable,
     /// Events recorded for blocks in [`State::AwaitingEvents`].
     pub pending: Vec<(Event, u32)>,
     /// Expandable segments of the shard.
@@ -294,6 +272,7 @@ pub(crate) struct ShardInner {
 }
 
 impl ShardInner {
+    #[inline(always)]
     pub(super) fn new_block(&mut self, block: Block) -> u32 {
         match self.spare.pop() {
             Some(id) => {
@@ -307,6 +286,7 @@ impl ShardInner {
         }
     }
 
+    #[inline(always)]
     pub(super) fn drop_block(&mut self, id: u32) {
         let b = &mut self.blocks[id as usize];
         b.prev = NONE;
@@ -337,6 +317,7 @@ impl ShardInner {
         }
     }
 
+    #[inline(always)]
     pub(super) fn insert_free(&mut self, id: u32) {
         let b = &self.blocks[id as usize];
         let key = (b.size, b.addr, id);
@@ -344,6 +325,7 @@ impl ShardInner {
         self.index_of(pool).insert(key);
     }
 
+    #[inline(always)]
     pub(super) fn remove_free(&mut self, id: u32) {
         let b = &self.blocks[id as usize];
         let key = (b.size, b.addr, id);
@@ -352,6 +334,7 @@ impl ShardInner {
     }
 
     /// Takes the best-fitting free block for `rounded` bytes out of `pool`, if one may serve it.
+    #[inline(always)]
     pub fn take_best_fit(
         &mut self,
         pool: PoolKind,
@@ -406,6 +389,7 @@ impl ShardInner {
     }
 
     /// How block `id` (out of the pools) serves `rounded` bytes.
+    #[inline(always)]
     fn plan(&self, id: u32, rounded: usize, max_split_size: usize) -> Memo {
         let b = &self.blocks[id as usize];
         let split = if b.exp == NONE {
@@ -432,6 +416,7 @@ impl ShardInner {
     /// Hands block `id` (out of the pools) to a client for `requested` bytes rounded to
     /// `rounded`, splitting off the rest when it is worth keeping. `from_index`: the block was
     /// just taken from its free index by [`ShardInner::take_best_fit`] (it may become the memo).
+    #[inline(always)]
     pub fn allocate(
         &mut self,
         id: u32,
@@ -452,6 +437,7 @@ impl ShardInner {
     }
 
     /// The block changes of handing out a block as `plan` says (no statistics).
+    #[inline(always)]
     fn carve(&mut self, plan: &Memo, requested: usize) -> usize {
         let id = plan.id;
         if plan.split {
@@ -596,6 +582,7 @@ impl ShardInner {
 
     /// The client frees the allocated block at `addr`. Returns its id, or `None` if no block
     /// of this shard is allocated there. The block stays active until [`ShardInner::release`].
+    #[inline(always)]
     pub fn unallocate(
         &mut self,
         addr: usize,
@@ -611,6 +598,7 @@ impl ShardInner {
     }
 
     /// Returns a freed block to its pool, merging it with free neighbours.
+    #[inline(always)]
     pub fn release(&mut self, id: u32, stats: &mut impl StatSink) {
         let (pool, size) = {
             let b = &mut self.blocks[id as usize];

@@ -243,14 +243,24 @@ impl ShardStats {
         }
     }
 
-    /// The statistics whose limit is below what this shard wants: its `top` or its need (a
-    /// bit per statistic, for [`ShardStats::take_spare`]).
-    pub fn wanted(&self) -> u32 {
-        (0..TRACKED)
-            .filter(|&i| {
-                self.top[i].load(Relaxed).max(self.need(i)) > self.cells[i].limit.load(Relaxed)
-            })
-            .fold(0, |mask, i| mask | 1 << i)
+    /// [`ShardStats::raise_top`], then the statistics whose limit is below what this shard
+    /// wants: its `top` (a bit per statistic, for [`ShardStats::take_spare`]), in one pass.
+    /// The caller holds the settle lock and the shard's lock.
+    pub fn raise_top_wanted(&self) -> u32 {
+        let mut wanted = 0;
+        for i in 0..TRACKED {
+            let need = self.need(i);
+            let top = &self.top[i];
+            let mut t = top.load(Relaxed);
+            if need > t {
+                top.store(need, Relaxed);
+                t = need;
+            }
+            if t > self.cells[i].limit.load(Relaxed) {
+                wanted |= 1 << i;
+            }
+        }
+        wanted
     }
 
     /// Whether this shard has unused headroom (limit above current) of a statistic of
@@ -269,7 +279,7 @@ impl ShardStats {
     }
 
     /// Moves unused headroom of `donor` to this shard, for the statistics of `wanted` (from
-    /// [`ShardStats::wanted`]): up to their `top` (or their need), or all of it where the
+    /// [`ShardStats::raise_top_wanted`]): up to their `top` (or their need), or all of it where the
     /// donor holds none of that statistic (an idle stream's headroom serves the busy one until
     /// it is busy again; it takes it back then). Peaks do not change. The caller holds the
     /// settle lock and both shards' locks, and `donor` has no overdraft. Returns the
