@@ -93,6 +93,38 @@ fn settings_and_memory_fractions_give_pytorchs_statistics() {
     }
 }
 
+/// Seeded random workloads on four streams, beyond what the traces do: every statistic agrees
+/// by default, under PyTorch's settings, and under memory fractions small enough that both
+/// fail requests.
+#[test]
+fn random_workloads_give_pytorchs_statistics() {
+    let s = Setup::new("random");
+    let ops: Vec<_> = (0..3)
+        .map(|seed| harness::write_random_ops(seed, 12_000, &s.dir))
+        .collect();
+    for (conf, fraction) in [
+        ("", None),
+        ("max_split_size_mb:100", None),
+        ("", Some("0.05")),
+        (
+            "garbage_collection_threshold:0.6,max_split_size_mb:64",
+            Some("0.08"),
+        ),
+        ("roundup_power2_divisions:[32:4,256:2,>:1]", Some("0.1")),
+        ("expandable_segments:True", None),
+    ] {
+        let mut env = vec![("PYTORCH_CUDA_ALLOC_CONF", conf)];
+        if let Some(f) = fraction {
+            env.push(("FRACTION", f));
+        }
+        let (ok, out) = harness::replay(&s.exe, &ops, 2, &env);
+        assert!(
+            ok && out.contains("0 statistics differ"),
+            "`{conf}`, fraction {fraction:?}:\n{out}"
+        );
+    }
+}
+
 /// Under `expandable_segments:True` for both, every statistic agrees too (PyTorch counts no
 /// segments and no inactive split blocks for expandable segments), and `policy:compact`
 /// reserves at most what PyTorch's expandable segments reserve.

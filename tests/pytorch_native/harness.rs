@@ -146,6 +146,39 @@ pub fn write_ops(trace: &Path, dir: &Path) -> PathBuf {
     out
 }
 
+/// Writes `ops` seeded random calls into `dir`: sizes log-uniform from 1 byte to 700 MiB
+/// (both pools, oversize blocks under `max_split_size_mb`, requests past small memory
+/// fractions) on four streams, and frees of random live allocations about half the time.
+/// Returns the file.
+pub fn write_random_ops(seed: u64, ops: usize, dir: &Path) -> PathBuf {
+    // xorshift64*: a fixed sequence per seed, on any machine.
+    let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    let mut next = move || {
+        state ^= state >> 12;
+        state ^= state << 25;
+        state ^= state >> 27;
+        state.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    };
+    let (mut live, mut slots) = (Vec::new(), 0usize);
+    let mut text = format!("# events {ops}\n");
+    for _ in 0..ops {
+        if !live.is_empty() && next() % 100 < 48 {
+            let k = (next() % live.len() as u64) as usize;
+            text += &format!("f {}\n", live.swap_remove(k));
+        } else {
+            let unit = (next() >> 11) as f64 / (1u64 << 53) as f64;
+            let size = ((700u64 << 20) as f64).powf(unit) as u64;
+            let stream = 3 + 7 * (next() % 4);
+            text += &format!("a {slots} {size} {stream}\n");
+            live.push(slots);
+            slots += 1;
+        }
+    }
+    let out = dir.join(format!("random{seed}.ops"));
+    std::fs::write(&out, text).unwrap();
+    out
+}
+
 /// Runs the replay program over `ops` files for `rounds` rounds each, with the settings in
 /// `env` (neither allocator sees the caller's); returns its status and output. tensoralloc's
 /// driver is the one the caller's environment selects, else the simulated device, with
