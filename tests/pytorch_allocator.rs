@@ -36,6 +36,26 @@ impl Drop for Setup {
     }
 }
 
+/// Replays `ops` for `rounds` rounds with the PyTorch setting `conf` (for both allocators)
+/// and, if given, memory fraction `fraction` set on both; every statistic must agree.
+fn assert_same_statistics(
+    exe: &std::path::Path,
+    ops: &[PathBuf],
+    rounds: u32,
+    conf: &str,
+    fraction: Option<&str>,
+) {
+    let mut env = vec![("PYTORCH_CUDA_ALLOC_CONF", conf)];
+    if let Some(f) = fraction {
+        env.push(("FRACTION", f));
+    }
+    let (ok, out) = harness::replay(exe, ops, rounds, &env);
+    assert!(
+        ok && out.contains("0 statistics differ"),
+        "`{conf}`, fraction {fraction:?}:\n{out}"
+    );
+}
+
 /// Every device statistic PyTorch reports (each counter's current, peak, allocated and freed
 /// values for every pool, and the retry, OOM and driver-call counts) agrees.
 #[test]
@@ -81,15 +101,7 @@ fn settings_and_memory_fractions_give_pytorchs_statistics() {
             None,
         ),
     ] {
-        let mut env = vec![("PYTORCH_CUDA_ALLOC_CONF", conf)];
-        if let Some(f) = fraction {
-            env.push(("FRACTION", f));
-        }
-        let (ok, out) = harness::replay(&s.exe, &s.ops, 1, &env);
-        assert!(
-            ok && out.contains("0 statistics differ"),
-            "{conf}, fraction {fraction:?}:\n{out}"
-        );
+        assert_same_statistics(&s.exe, &s.ops, 1, conf, fraction);
     }
 }
 
@@ -113,15 +125,7 @@ fn random_workloads_give_pytorchs_statistics() {
         ("roundup_power2_divisions:[32:4,256:2,>:1]", Some("0.1")),
         ("expandable_segments:True", None),
     ] {
-        let mut env = vec![("PYTORCH_CUDA_ALLOC_CONF", conf)];
-        if let Some(f) = fraction {
-            env.push(("FRACTION", f));
-        }
-        let (ok, out) = harness::replay(&s.exe, &ops, 2, &env);
-        assert!(
-            ok && out.contains("0 statistics differ"),
-            "`{conf}`, fraction {fraction:?}:\n{out}"
-        );
+        assert_same_statistics(&s.exe, &ops, 2, conf, fraction);
     }
 }
 
