@@ -112,7 +112,7 @@ fn settings_and_memory_fractions_give_pytorchs_statistics() {
 fn random_workloads_give_pytorchs_statistics() {
     let s = Setup::new("random");
     let ops: Vec<_> = (0..3)
-        .map(|seed| harness::write_random_ops(seed, 12_000, &s.dir))
+        .map(|seed| harness::write_random_ops(seed, 12_000, false, &s.dir))
         .collect();
     for (conf, fraction) in [
         ("", None),
@@ -124,6 +124,25 @@ fn random_workloads_give_pytorchs_statistics() {
         ),
         ("roundup_power2_divisions:[32:4,256:2,>:1]", Some("0.1")),
         ("expandable_segments:True", None),
+    ] {
+        assert_same_statistics(&s.exe, &ops, 2, conf, fraction);
+    }
+}
+
+/// Private pools (PyTorch's `beginAllocateToPool`, as a CUDA graph capture or a
+/// `torch.cuda.MemPool` uses them) route the same requests as in PyTorch: every statistic
+/// agrees with pools begun, ended and released at the end, under memory pressure too (no
+/// retry while a pool is being allocated to, as in PyTorch).
+#[test]
+fn private_pools_give_pytorchs_statistics() {
+    let s = Setup::new("pools");
+    let ops: Vec<_> = (0..3)
+        .map(|seed| harness::write_random_ops(seed, 12_000, true, &s.dir))
+        .collect();
+    for (conf, fraction) in [
+        ("", None),
+        ("", Some("0.05")),
+        ("max_split_size_mb:100", Some("0.1")),
     ] {
         assert_same_statistics(&s.exe, &ops, 2, conf, fraction);
     }

@@ -397,12 +397,12 @@ impl DeviceAllocator {
                     .new_memory_or_release(shard, &mut inner, pool, rounded, stream, retried)
                 {
                     Ok(id) => id,
-                    Err(Error::OutOfMemory(_)) if !retried => {
+                    // While a capture is underway nothing may be returned to the driver, so
+                    // there is no retry (PyTorch's rule).
+                    Err(Error::OutOfMemory(_)) if !retried && !self.capture_blocks(stream) => {
                         drop(inner);
                         DeviceCounters::bump(&self.counters.num_alloc_retries);
-                        if !self.capture_blocks(stream) {
-                            self.release_cached()?;
-                        }
+                        self.release_cached()?;
                         retried = true;
                         continue;
                     }

@@ -149,8 +149,10 @@ pub fn write_ops(trace: &Path, dir: &Path) -> PathBuf {
 /// Writes `ops` seeded random calls into `dir`: sizes log-uniform from 1 byte to 700 MiB
 /// (both pools, oversize blocks under `max_split_size_mb`, requests past small memory
 /// fractions) on four streams, and frees of random live allocations about half the time.
-/// Returns the file.
-pub fn write_random_ops(seed: u64, ops: usize, dir: &Path) -> PathBuf {
+/// With `pools`, phases of 50–400 calls route one stream's requests to a new private pool
+/// (as a CUDA graph capture or a `torch.cuda.MemPool` does); the pools are released at the
+/// end. Returns the file.
+pub fn write_random_ops(seed: u64, ops: usize, pools: bool, dir: &Path) -> PathBuf {
     // xorshift64*: a fixed sequence per seed, on any machine.
     let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
     let mut next = move || {
@@ -161,7 +163,22 @@ pub fn write_random_ops(seed: u64, ops: usize, dir: &Path) -> PathBuf {
     };
     let (mut live, mut slots) = (Vec::new(), 0usize);
     let mut text = format!("# events {ops}\n");
+    // The pool being allocated to and the calls its phase has left; pools begun so far.
+    let (mut phase, mut begun) = (None::<(u64, u64)>, 0u64);
     for _ in 0..ops {
+        match phase {
+            None if pools && next() % 100 == 0 => {
+                text += &format!("b {begun} {}\n", 3 + 7 * (next() % 4));
+                phase = Some((begun, 50 + next() % 350));
+                begun += 1;
+            }
+            Some((pool, 0)) => {
+                text += &format!("e {pool}\n");
+                phase = None;
+            }
+            Some((pool, left)) => phase = Some((pool, left - 1)),
+            None => {}
+        }
         if !live.is_empty() && next() % 100 < 48 {
             let k = (next() % live.len() as u64) as usize;
             text += &format!("f {}\n", live.swap_remove(k));
@@ -174,7 +191,16 @@ pub fn write_random_ops(seed: u64, ops: usize, dir: &Path) -> PathBuf {
             slots += 1;
         }
     }
-    let out = dir.join(format!("random{seed}.ops"));
+    if let Some((pool, _)) = phase {
+        text += &format!("e {pool}\n");
+    }
+    for pool in 0..begun {
+        text += &format!("r {pool}\n");
+    }
+    let out = dir.join(format!(
+        "random{seed}{}.ops",
+        if pools { "-pools" } else { "" }
+    ));
     std::fs::write(&out, text).unwrap();
     out
 }

@@ -6,8 +6,11 @@
 // comparison, for tensoralloc settings that are not PyTorch's; FRACTION sets both allocators'
 // memory fraction of device 0, as torch.cuda.set_per_process_memory_fraction does. Both read their
 // settings from the environment: PYTORCH_CUDA_ALLOC_CONF, and TENSORALLOC_CONF before it.)
-// An ops file (written by tests/support/pytorch_native.rs) holds `# events N`, then one line
-// per call: `a SLOT SIZE STREAM` allocates SIZE bytes on STREAM into SLOT, `f SLOT` frees it.
+// An ops file (written by tests/pytorch_native/harness.rs) holds `# events N`, then one line
+// per call: `a SLOT SIZE STREAM` allocates SIZE bytes on STREAM into SLOT, `f SLOT` frees it,
+// `b POOL STREAM` begins allocating STREAM's requests to private pool POOL (PyTorch's
+// beginAllocateToPool, as for a CUDA graph or a torch.cuda.MemPool), `e POOL` ends that, and
+// `r POOL` releases the pool.
 //
 // A request either allocator cannot serve fails (PyTorch's OutOfMemoryError, tensoralloc's
 // NULL) and the replay goes on, skipping that allocation's free.
@@ -28,6 +31,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <memory>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -38,7 +42,9 @@ namespace alloc = c10::cuda::CUDACachingAllocator;
 using TorchStats = c10::CachingDeviceAllocator::DeviceStats;
 
 struct Op {
-  bool alloc;
+  // 'a' allocate, 'f' free, 'b' begin allocating to a pool, 'e' end it, 'r' release it.
+  char kind;
+  // The allocation's slot, or the pool's number.
   uint32_t slot;
   uint64_t size;
   uint64_t stream;
@@ -65,14 +71,16 @@ Trace load(const char* path) {
     std::istringstream fields(line);
     std::string kind;
     fields >> kind;
-    Op op{kind == "a", 0, 0, 0};
+    Op op{kind.empty() ? ' ' : kind[0], 0, 0, 0};
     if (kind == "#") {
       std::string word;
       fields >> word >> t.events;
       continue;
     } else if (kind == "a") {
       fields >> op.slot >> op.size >> op.stream;
-    } else if (kind == "f") {
+    } else if (kind == "b") {
+      fields >> op.slot >> op.stream;
+    } else if (kind == "f" || kind == "e" || kind == "r") {
       fields >> op.slot;
     } else {
       continue;
@@ -81,7 +89,7 @@ Trace load(const char* path) {
       std::fprintf(stderr, "%s: bad line: %s\n", path, line.c_str());
       std::exit(2);
     }
-    t.slots = std::max(t.slots, op.slot + 1);
+    if (op.kind == 'a' || op.kind == 'f') t.slots = std::max(t.slots, op.slot + 1);
     t.ops.push_back(op);
   }
   return t;
@@ -95,19 +103,30 @@ double thread_ns() {
 
 cudaStream_t as_stream(uint64_t s) { return reinterpret_cast<cudaStream_t>(s); }
 
+// A pool's id: its number, made unique to the round (a released pool may outlive it).
+uint64_t pool_id(uint64_t base, uint32_t pool) { return (base >> 32) * 1000 + pool + 1; }
+
 double run_pytorch(const Trace& t, uint64_t base, std::vector<void*>& ptrs) {
   double start = thread_ns();
   for (const Op& op : t.ops) {
-    if (op.alloc) {
+    if (op.kind == 'a') {
       try {
         ptrs[op.slot] = alloc::raw_alloc_with_stream(op.size, as_stream(base + op.stream));
       } catch (const c10::OutOfMemoryError&) {
         // Counted in PyTorch's num_ooms; the call fails as tensoralloc's returns NULL.
         ptrs[op.slot] = nullptr;
       }
-    } else if (ptrs[op.slot]) {
-      alloc::raw_delete(ptrs[op.slot]);
+    } else if (op.kind == 'f') {
+      if (ptrs[op.slot]) alloc::raw_delete(ptrs[op.slot]);
       ptrs[op.slot] = nullptr;
+    } else if (op.kind == 'b') {
+      cudaStream_t only = as_stream(base + op.stream);
+      alloc::beginAllocateToPool(0, {0, pool_id(base, op.slot)},
+                                 [only](cudaStream_t s) { return s == only; });
+    } else if (op.kind == 'e') {
+      alloc::endAllocateToPool(0, {0, pool_id(base, op.slot)});
+    } else if (op.kind == 'r') {
+      alloc::releasePool(0, {0, pool_id(base, op.slot)});
     }
   }
   double spent = thread_ns() - start;
@@ -120,16 +139,32 @@ double run_pytorch(const Trace& t, uint64_t base, std::vector<void*>& ptrs) {
 
 double run_tensoralloc(const Trace& t, uint64_t base, std::vector<void*>& ptrs,
                        std::vector<uint64_t>& streams) {
+  // The stream each begun pool accepts (the filter's context), kept until the run ends.
+  std::vector<std::unique_ptr<uint64_t>> filters;
+  auto accepts = [](void* ctx, CUstream_st* s) {
+    return static_cast<int>(reinterpret_cast<uint64_t>(s) == *static_cast<uint64_t*>(ctx));
+  };
   double start = thread_ns();
   for (const Op& op : t.ops) {
-    if (op.alloc) {
+    if (op.kind == 'a') {
       uint64_t s = base + op.stream;
       // An out-of-memory failure returns NULL (and counts in num_ooms), as PyTorch's throws.
       ptrs[op.slot] = tensoralloc_malloc(op.size, 0, as_stream(s));
       streams[op.slot] = s;
-    } else if (ptrs[op.slot]) {
-      tensoralloc_free(ptrs[op.slot], 0, 0, as_stream(streams[op.slot]));
+    } else if (op.kind == 'f') {
+      if (ptrs[op.slot]) tensoralloc_free(ptrs[op.slot], 0, 0, as_stream(streams[op.slot]));
       ptrs[op.slot] = nullptr;
+    } else if (op.kind == 'b') {
+      filters.push_back(std::make_unique<uint64_t>(base + op.stream));
+      if (tensoralloc_begin_allocate_to_pool(0, 0, pool_id(base, op.slot), accepts,
+                                             filters.back().get()) != 0) {
+        std::fprintf(stderr, "begin_allocate_to_pool: %s\n", tensoralloc_last_error());
+        std::exit(1);
+      }
+    } else if (op.kind == 'e') {
+      tensoralloc_end_allocate_to_pool(0, 0, pool_id(base, op.slot));
+    } else if (op.kind == 'r') {
+      tensoralloc_release_pool(0, 0, pool_id(base, op.slot));
     }
   }
   double spent = thread_ns() - start;
