@@ -458,8 +458,9 @@ const char *tensoralloc_last_error(void);
  * Returns the address, owned by the caller until passed to `tensoralloc_free`. Returns NULL
  * with an empty last error when `size` is 0. Returns NULL with a last error on an absurd size
  * (over 1 PiB, e.g. a negative number cast to `size_t`), a device index that does not exist,
- * no usable driver, or out of memory (after returning the cache to the driver and retrying;
- * the message gives the device's capacity, its free memory, and what tensoralloc holds).
+ * no usable driver, or out of memory (after returning cached memory to the driver and
+ * retrying, except while a private pool is being allocated to; the message gives the
+ * device's capacity, its free memory, and what tensoralloc holds).
  */
 void *tensoralloc_malloc(size_t size, int device, CUstream_st *stream);
 
@@ -880,9 +881,11 @@ tensoralloc_status tensoralloc_storage_plan_get_stats(struct tensoralloc_storage
  * Sets the memory fraction of device `device` (PyTorch's `memory_fraction` hook, used by
  * `torch.cuda.set_per_process_memory_fraction`): from now on the bytes tensoralloc reserves
  * on that device stay at most `fraction` times its total memory. An allocation that would
- * need more first returns the cache to the driver and retries, then fails as out of memory
- * with a message that gives the limit (and counts in `num_ooms`). Memory reserved already is
- * kept. `fraction` must lie in [0, 1].
+ * need more first returns cached memory to the driver and retries (not while a private pool
+ * is being allocated to), then fails as out of memory with a message that gives the limit
+ * (and counts in `num_ooms`). Memory reserved already is kept. `fraction` must lie in [0, 1].
+ * As in PyTorch, setting a fraction also turns on `garbage_collection_threshold`, which is a
+ * share of the bytes the fraction allows.
  *
  * On a fraction outside [0, 1] (or NaN), a device that does not exist, or no usable driver,
  * nothing changes and the last error says why.

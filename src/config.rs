@@ -10,8 +10,9 @@ pub struct Config {
     /// Blocks at least this large are never split (PyTorch's `max_split_size_mb`); `usize::MAX`
     /// when unset.
     pub max_split_size: usize,
-    /// Fraction of device capacity above which unused cached blocks are reclaimed before
-    /// asking the driver for more (PyTorch's `garbage_collection_threshold`); 0 disables it.
+    /// PyTorch's `garbage_collection_threshold`: once a memory fraction is set, the share of
+    /// the bytes it allows above which whole cached segments are returned, oldest first,
+    /// before asking the driver for more ([`crate::device`]'s `gc` module); 0 disables it.
     pub garbage_collection_threshold: f64,
     /// PyTorch's `per_process_memory_fraction`: below 1.0, each device starts with this memory
     /// fraction set, as if `set_per_process_memory_fraction` had been called.
@@ -176,7 +177,8 @@ impl Config {
                          pinned_use_cuda_host_register, pinned_num_register_threads, expandable_segments, \
                          policy, roundup_power2_divisions, per_process_memory_fraction, \
                          large_segment_size_mb, max_non_split_rounding_mb, backend, \
-                         release_lock_on_cudamalloc, pinned_use_background_threads, \
+                         release_lock_on_cudamalloc, release_lock_on_hipmalloc, \
+                         pinned_use_background_threads, pinned_use_hip_host_register, \
                          graph_capture_record_stream_reuse, pinned_reserve_segment_size_mb)"
                     )))
                 }

@@ -8,7 +8,7 @@ use std::path::PathBuf;
 mod harness;
 mod support;
 
-/// Builds the replay program and writes the traces' calls; removes them when dropped.
+/// Builds the replay program and writes the calls to replay; removes them when dropped.
 struct Setup {
     dir: PathBuf,
     exe: PathBuf,
@@ -16,17 +16,39 @@ struct Setup {
 }
 
 impl Setup {
+    /// The calls of the six real traces.
     fn new(name: &str) -> Setup {
-        let dir =
-            std::env::temp_dir().join(format!("tensoralloc-pytorch-{name}-{}", std::process::id()));
-        let exe = harness::build(&dir, &harness::lib_dir());
+        let mut s = Setup::empty(name);
         let traces = harness::traces();
         assert!(
             traces.len() >= 6,
             "expected the six real traces, found {traces:?}"
         );
-        let ops = traces.iter().map(|t| harness::write_ops(t, &dir)).collect();
-        Setup { dir, exe, ops }
+        s.ops = traces
+            .iter()
+            .map(|t| harness::write_ops(t, &s.dir))
+            .collect();
+        s
+    }
+
+    /// Three seeded random workloads of 12,000 calls, with private pool phases if `pools`.
+    fn random(name: &str, pools: bool) -> Setup {
+        let mut s = Setup::empty(name);
+        s.ops = (0..3)
+            .map(|seed| harness::write_random_ops(seed, 12_000, pools, &s.dir))
+            .collect();
+        s
+    }
+
+    fn empty(name: &str) -> Setup {
+        let dir =
+            std::env::temp_dir().join(format!("tensoralloc-pytorch-{name}-{}", std::process::id()));
+        let exe = harness::build(&dir, &harness::lib_dir());
+        Setup {
+            dir,
+            exe,
+            ops: Vec::new(),
+        }
     }
 }
 
@@ -110,10 +132,7 @@ fn settings_and_memory_fractions_give_pytorchs_statistics() {
 /// fail requests.
 #[test]
 fn random_workloads_give_pytorchs_statistics() {
-    let s = Setup::new("random");
-    let ops: Vec<_> = (0..3)
-        .map(|seed| harness::write_random_ops(seed, 12_000, false, &s.dir))
-        .collect();
+    let s = Setup::random("random", false);
     for (conf, fraction) in [
         ("", None),
         ("max_split_size_mb:100", None),
@@ -125,7 +144,7 @@ fn random_workloads_give_pytorchs_statistics() {
         ("roundup_power2_divisions:[32:4,256:2,>:1]", Some("0.1")),
         ("expandable_segments:True", None),
     ] {
-        assert_same_statistics(&s.exe, &ops, 2, conf, fraction);
+        assert_same_statistics(&s.exe, &s.ops, 2, conf, fraction);
     }
 }
 
@@ -135,16 +154,13 @@ fn random_workloads_give_pytorchs_statistics() {
 /// retry while a pool is being allocated to, as in PyTorch).
 #[test]
 fn private_pools_give_pytorchs_statistics() {
-    let s = Setup::new("pools");
-    let ops: Vec<_> = (0..3)
-        .map(|seed| harness::write_random_ops(seed, 12_000, true, &s.dir))
-        .collect();
+    let s = Setup::random("pools", true);
     for (conf, fraction) in [
         ("", None),
         ("", Some("0.05")),
         ("max_split_size_mb:100", Some("0.1")),
     ] {
-        assert_same_statistics(&s.exe, &ops, 2, conf, fraction);
+        assert_same_statistics(&s.exe, &s.ops, 2, conf, fraction);
     }
 }
 

@@ -124,8 +124,9 @@ impl From<DeviceStats> for tensoralloc_device_stats {
 /// Returns the address, owned by the caller until passed to `tensoralloc_free`. Returns NULL
 /// with an empty last error when `size` is 0. Returns NULL with a last error on an absurd size
 /// (over 1 PiB, e.g. a negative number cast to `size_t`), a device index that does not exist,
-/// no usable driver, or out of memory (after returning the cache to the driver and retrying;
-/// the message gives the device's capacity, its free memory, and what tensoralloc holds).
+/// no usable driver, or out of memory (after returning cached memory to the driver and
+/// retrying, except while a private pool is being allocated to; the message gives the
+/// device's capacity, its free memory, and what tensoralloc holds).
 #[no_mangle]
 pub extern "C" fn tensoralloc_malloc(
     size: usize,

@@ -21,9 +21,11 @@ pub type tensoralloc_stream_filter =
 /// Sets the memory fraction of device `device` (PyTorch's `memory_fraction` hook, used by
 /// `torch.cuda.set_per_process_memory_fraction`): from now on the bytes tensoralloc reserves
 /// on that device stay at most `fraction` times its total memory. An allocation that would
-/// need more first returns the cache to the driver and retries, then fails as out of memory
-/// with a message that gives the limit (and counts in `num_ooms`). Memory reserved already is
-/// kept. `fraction` must lie in [0, 1].
+/// need more first returns cached memory to the driver and retries (not while a private pool
+/// is being allocated to), then fails as out of memory with a message that gives the limit
+/// (and counts in `num_ooms`). Memory reserved already is kept. `fraction` must lie in [0, 1].
+/// As in PyTorch, setting a fraction also turns on `garbage_collection_threshold`, which is a
+/// share of the bytes the fraction allows.
 ///
 /// On a fraction outside [0, 1] (or NaN), a device that does not exist, or no usable driver,
 /// nothing changes and the last error says why.

@@ -29,9 +29,9 @@ pub(super) struct Ages {
     /// Large-pool requests made while collection was enabled.
     requests: AtomicU64,
     /// Address of a whole free large segment -> `requests` when it became free. Entries of
-    /// segments that were split or returned since are stale and overwritten when the address
-    /// next becomes a whole free segment; segments free since before collection was enabled
-    /// have none (age counted from 0).
+    /// segments allocated from since are stale and overwritten when the address next becomes
+    /// a whole free segment, and go when the segment goes back to the driver; segments free
+    /// since before collection was enabled have none (age counted from 0).
     freed_at: Mutex<HashMap<usize, u64>>,
 }
 
@@ -85,6 +85,14 @@ impl DeviceAllocator {
         if b.pool == PoolKind::Large && !b.is_split() && self.collecting() {
             let now = self.gc_ages.requests.load(Relaxed);
             self.gc_ages.freed_at.lock().insert(b.addr, now);
+        }
+    }
+
+    /// Forgets when the segment at `addr`, going back to the driver, became free.
+    #[inline(always)]
+    pub(super) fn gc_forget(&self, addr: usize) {
+        if self.gc_threshold > 0.0 {
+            self.gc_ages.freed_at.lock().remove(&addr);
         }
     }
 

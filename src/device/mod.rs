@@ -631,10 +631,8 @@ impl DeviceAllocator {
         id: u32,
     ) -> Result<()> {
         if inner.block(id).stream_uses.is_empty() {
-            self.note_block(Action::FreeCompleted, shard, &inner, id);
             let candidate = inner.memo_candidate(id);
-            inner.release(id, &mut self.op_sink(shard));
-            self.gc_note_free(&inner, id);
+            self.complete_free(shard, &mut inner, id);
             if let Some(c) = candidate.filter(|_| !shard.private && self.pair_memo) {
                 inner.remember(c);
             }
@@ -685,9 +683,7 @@ impl DeviceAllocator {
             }
         }
         if recorded.is_empty() {
-            self.note_block(Action::FreeCompleted, shard, &inner, id);
-            inner.release(id, &mut self.op_sink(shard));
-            self.gc_note_free(&inner, id);
+            self.complete_free(shard, &mut inner, id);
         } else {
             inner.block_mut(id).events_left = recorded.len() as u32;
             inner.pending.extend(recorded.into_iter().map(|e| (e, id)));
@@ -784,10 +780,18 @@ impl DeviceAllocator {
         let b = inner.block_mut(id);
         b.events_left -= 1;
         if b.events_left == 0 {
-            self.note_block(Action::FreeCompleted, shard, inner, id);
-            inner.release(id, &mut self.op_sink(shard));
-            self.gc_note_free(inner, id);
+            self.complete_free(shard, inner, id);
         }
+    }
+
+    /// Completes the free of block `id`, whose work on every stream is done: records it, returns
+    /// the block to its pool (merged with free neighbours), and notes for garbage collection
+    /// when a whole segment became free.
+    #[inline(always)]
+    fn complete_free(&self, shard: &Shard, inner: &mut ShardInner, id: u32) {
+        self.note_block(Action::FreeCompleted, shard, inner, id);
+        inner.release(id, &mut self.op_sink(shard));
+        self.gc_note_free(inner, id);
     }
 
     /// Waits for every outstanding event of `shard`, then returns its unused segments to the
@@ -823,6 +827,7 @@ impl DeviceAllocator {
     fn free_segment(&self, shard: &Shard, inner: &mut ShardInner, id: u32) -> Result<usize> {
         let (addr, size) = (inner.block(id).addr, inner.block(id).size);
         self.driver.mem_free(self.device, addr)?;
+        self.gc_forget(addr);
         inner.remove_segment(id, self.max_split_size, &mut self.op_sink(shard));
         self.segments.write().remove(&addr);
         DeviceCounters::bump(&self.counters.num_device_free);
