@@ -94,3 +94,25 @@ fn compact_maps_another_streams_idle_pages_again_with_their_contents() {
     );
     a.free(q, Some(s2)).unwrap();
 }
+
+#[test]
+fn a_growth_the_device_cannot_hold_fails_cleanly_through_the_driver() {
+    // Compact maps one physical allocation per 2 MiB page, so the growth fails part way.
+    let driver = cuda_driver();
+    let a =
+        DeviceAllocator::new(driver.clone(), 0, &Config::parse("policy:compact").unwrap()).unwrap();
+    let total = driver.mem_info(0).unwrap().total as usize;
+    let p = a.malloc(total / 2, 0).unwrap();
+    let held = a.stats().reserved_bytes[0].current;
+    // Physical allocations run out part of the way through this growth: the request fails
+    // as out of memory and what it mapped is unmapped.
+    let e = a.malloc(total / 2 + 64 * MIB, 0).unwrap_err();
+    assert!(matches!(e, tensoralloc::Error::OutOfMemory(_)), "{e}");
+    assert_eq!(a.stats().reserved_bytes[0].current, held);
+    // Had the failed growth kept its physical allocations, the device could not hold the
+    // same request once `p` is gone. (Other tests share the fake device, so its free bytes
+    // are not compared directly.)
+    a.free(p, Some(0)).unwrap();
+    let q = a.malloc(total / 2 + 64 * MIB, 0).unwrap();
+    a.free(q, Some(0)).unwrap();
+}

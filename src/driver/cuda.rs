@@ -200,6 +200,51 @@ fn check(code: CUresult, call: &str) -> Result<()> {
     }
 }
 
+/// Maps each `(size, handle)` of `maps` back to back from `addr`, then makes the whole range
+/// readable and writable by `prop`'s device with one `cuMemSetAccess`. All or nothing: on
+/// error what this call mapped is unmapped again; the allocations stay the caller's. The
+/// caller runs in the device's context.
+fn map_handles(
+    prop: &sys::CUmemAllocationProp,
+    addr: usize,
+    maps: &[(usize, PhysHandle)],
+) -> Result<()> {
+    // Unmaps the mappings this call made below `upto`.
+    let undo = |upto: usize, e: Error| {
+        let mut at = addr;
+        for &(len, _) in maps {
+            if at >= upto {
+                break;
+            }
+            // SAFETY: [at, at + len) was mapped by this call.
+            unsafe { sys::cuMemUnmap(at as sys::CUdeviceptr, len) };
+            at += len;
+        }
+        e
+    };
+    let mut at = addr;
+    for &(len, h) in maps {
+        // SAFETY: the handle holds `len` bytes; the driver validates the range.
+        let mapped = check(
+            unsafe {
+                sys::cuMemMap(
+                    at as sys::CUdeviceptr,
+                    len,
+                    0,
+                    h.0 as sys::CUmemGenericAllocationHandle,
+                    0,
+                )
+            },
+            &format!("cuMemMap({at:#x}, {len})"),
+        );
+        if let Err(e) = mapped {
+            return Err(undo(at, e));
+        }
+        at += len;
+    }
+    set_access(prop, addr, at - addr).map_err(|e| undo(at, e))
+}
+
 /// Makes `[addr, addr + size)`, just mapped for `prop`'s device, readable and writable by
 /// it with one `cuMemSetAccess`. The caller runs in the device's context.
 fn set_access(prop: &sys::CUmemAllocationProp, addr: usize, size: usize) -> Result<()> {
@@ -790,54 +835,41 @@ impl Driver for CudaDriver {
             ));
         }
         self.in_device(device, || {
-            let first = handles.len();
-            // Undoes what this call created and mapped, newest first.
-            let undo = |handles: &mut Vec<PhysHandle>, e: Error| {
-                let mut at = addr + (handles.len() - first) * handle;
-                for h in handles.drain(first..).rev() {
-                    at -= handle;
-                    let len = handle.min(addr + size - at);
-                    // SAFETY: each handle was created and mapped at `at` by this call.
-                    unsafe {
-                        sys::cuMemUnmap(at as sys::CUdeviceptr, len);
-                        sys::cuMemRelease(h.0 as sys::CUmemGenericAllocationHandle);
-                    }
+            // Releases allocations this call created and that are mapped nowhere.
+            let release = |made: &[(usize, PhysHandle)]| {
+                for &(_, h) in made {
+                    // SAFETY: each handle was created by this call and is not mapped.
+                    unsafe { sys::cuMemRelease(h.0 as sys::CUmemGenericAllocationHandle) };
                 }
-                e
             };
+            let mut made = Vec::with_capacity(size.div_ceil(handle));
             let mut at = addr;
             while at < addr + size {
                 let len = handle.min(addr + size - at);
                 let mut h: sys::CUmemGenericAllocationHandle = 0;
                 // SAFETY: valid out-pointer and property struct; VMM symbols exist.
                 let r = unsafe { sys::cuMemCreate(&mut h, len, &prop, 0) };
-                if r == CUresult::CUDA_ERROR_OUT_OF_MEMORY {
-                    return Err(undo(
-                        handles,
-                        Error::OutOfMemory(format!(
-                            "device {device}: cuMemCreate of {len} bytes failed: {}",
-                            error_text(r)
-                        )),
-                    ));
+                let created = if r == CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+                    Err(Error::OutOfMemory(format!(
+                        "device {device}: cuMemCreate of {len} bytes failed: {}",
+                        error_text(r)
+                    )))
+                } else {
+                    check(r, &format!("cuMemCreate of {len} bytes"))
+                };
+                if let Err(e) = created {
+                    release(&made);
+                    return Err(e);
                 }
-                if let Err(e) = check(r, &format!("cuMemCreate of {len} bytes")) {
-                    return Err(undo(handles, e));
-                }
-                // SAFETY: the handle holds `len` bytes; the driver validates the range.
-                let mapped = check(
-                    unsafe { sys::cuMemMap(at as sys::CUdeviceptr, len, 0, h, 0) },
-                    &format!("cuMemMap({at:#x}, {len})"),
-                );
-                if let Err(e) = mapped {
-                    // SAFETY: the handle was just created and is not mapped.
-                    unsafe { sys::cuMemRelease(h) };
-                    return Err(undo(handles, e));
-                }
-                handles.push(PhysHandle(h));
+                made.push((len, PhysHandle(h)));
                 at += len;
             }
-            // One access call covers every mapping of the range.
-            set_access(&prop, addr, size).map_err(|e| undo(handles, e))
+            if let Err(e) = map_handles(&prop, addr, &made) {
+                release(&made);
+                return Err(e);
+            }
+            handles.extend(made.into_iter().map(|(_, h)| h));
+            Ok(())
         })
     }
 
@@ -857,45 +889,7 @@ impl Driver for CudaDriver {
 
     fn vmm_map_kept(&self, device: usize, addr: usize, maps: &[(usize, PhysHandle)]) -> Result<()> {
         let prop = self.vmm_prop(device)?;
-        let size: usize = maps.iter().map(|&(l, _)| l).sum();
-        self.in_device(device, || {
-            // Unmaps what this call mapped below `upto`, one mapping at a time (the
-            // allocations stay kept).
-            let undo = |upto: usize, e: Error| {
-                let mut at = addr;
-                for &(len, _) in maps {
-                    if at >= upto {
-                        break;
-                    }
-                    // SAFETY: [at, at + len) was mapped by this call.
-                    unsafe { sys::cuMemUnmap(at as sys::CUdeviceptr, len) };
-                    at += len;
-                }
-                e
-            };
-            let mut at = addr;
-            for &(len, h) in maps {
-                // SAFETY: the handle is a kept allocation of `len` bytes; the driver validates
-                // the range.
-                let mapped = check(
-                    unsafe {
-                        sys::cuMemMap(
-                            at as sys::CUdeviceptr,
-                            len,
-                            0,
-                            h.0 as sys::CUmemGenericAllocationHandle,
-                            0,
-                        )
-                    },
-                    &format!("cuMemMap({at:#x}, {len})"),
-                );
-                if let Err(e) = mapped {
-                    return Err(undo(at, e));
-                }
-                at += len;
-            }
-            set_access(&prop, addr, size).map_err(|e| undo(addr + size, e))
-        })
+        self.in_device(device, || map_handles(&prop, addr, maps))
     }
 
     fn vmm_release(&self, device: usize, handle: PhysHandle) -> Result<()> {
