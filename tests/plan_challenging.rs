@@ -225,6 +225,56 @@ fn exact_proves_a_plan_above_the_lower_bound_optimal() {
     assert_eq!(out.plan.arena_size, smallest);
 }
 
+/// Sixteen allocations (sizes in units of 64 bytes, first and last use) whose lower bound,
+/// 17 units, is out of reach: the smallest arena is 18 units.
+const ABOVE_THE_BOUND: [(u64, u64, u64); 16] = [
+    (4, 0, 0),
+    (4, 7, 11),
+    (5, 5, 5),
+    (4, 0, 4),
+    (5, 2, 5),
+    (3, 6, 7),
+    (3, 8, 8),
+    (4, 0, 0),
+    (3, 3, 4),
+    (2, 0, 1),
+    (2, 3, 3),
+    (5, 8, 8),
+    (5, 6, 7),
+    (3, 0, 3),
+    (5, 4, 7),
+    (4, 1, 2),
+];
+
+fn above_the_bound() -> Vec<Allocation> {
+    ABOVE_THE_BOUND
+        .iter()
+        .map(|&(units, first, last)| Allocation::new(64 * units, first, last))
+        .collect()
+}
+
+#[test]
+fn exact_proves_an_arena_above_the_lower_bound_optimal() {
+    let allocs = above_the_bound();
+    let out = plan_offsets_with(&allocs, 64, Algorithm::Exact, &PlanOptions::default()).unwrap();
+    validate(&allocs, &out.plan, 64).unwrap();
+    assert!(out.proven_optimal);
+    assert_eq!(lower_bound(&allocs, 64).unwrap(), 17 * 64);
+    assert_eq!(out.plan.arena_size, 18 * 64);
+}
+
+#[test]
+fn copies_of_an_allocation_do_not_multiply_the_search() {
+    // Proving the optimum means ruling out the arena one unit smaller; placing the copies
+    // in every order (8! of them) before failing each time would multiply that work.
+    let mut allocs = above_the_bound();
+    allocs.extend(std::iter::repeat_n(Allocation::new(64, 0, 11), 8));
+    let out = plan_offsets_with(&allocs, 64, Algorithm::Exact, &budget(10_000_000)).unwrap();
+    validate(&allocs, &out.plan, 64).unwrap();
+    assert!(out.proven_optimal, "spent {}", out.work);
+    assert_eq!(out.plan.arena_size, (18 + 8) * 64);
+}
+
 mod capi {
     use std::ffi::CStr;
     use std::ptr::{null, null_mut};

@@ -173,6 +173,26 @@ proptest! {
         prop_assert!(out.proven_optimal);
         prop_assert_eq!(out.plan.arena_size, smallest_arena_by_brute_force(&allocs));
     }
+
+    /// Copies of one allocation are interchangeable, and the search places them in one order
+    /// only: that never hides a smaller layout either.
+    #[test]
+    fn a_plan_exact_proves_optimal_with_copies_of_allocations_is_as_small_as_any_layout(
+        kinds in prop::collection::vec((1u64..=4, 0u64..5, 0u64..4), 1..=3),
+        picks in prop::collection::vec(0usize..3, 2..=7)
+    ) {
+        let allocs: Vec<Allocation> = picks
+            .iter()
+            .map(|&k| {
+                let (units, first, len) = kinds[k % kinds.len()];
+                a(64 * units, first, first + len)
+            })
+            .collect();
+        let out = plan_offsets_with(&allocs, 64, Algorithm::Exact, &PlanOptions::default()).unwrap();
+        prop_assert!(validate(&allocs, &out.plan, 64).is_ok());
+        prop_assert!(out.proven_optimal);
+        prop_assert_eq!(out.plan.arena_size, smallest_arena_by_brute_force(&allocs));
+    }
 }
 
 #[test]

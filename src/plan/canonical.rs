@@ -12,21 +12,25 @@
 //!   capacity;
 //! - the next allocation would leave room below it where another unplaced one fits whole
 //!   (the layout with that one moved down is as good: dominance);
-//! - it breaks the canonical order (symmetric orders of the same layout).
+//! - it breaks the canonical order (symmetric orders of the same layout);
+//! - it places a copy of an allocation (same size, same sections) before the copies of
+//!   smaller index (swapping copies gives the same layout).
 //!
 //! A placement changes the sections of the allocation placed and of the neighbours it raises:
 //! one run of sections, each checked against one remembered low allocation before its
 //! members are scanned; the order of the unplaced allocations is kept sorted by merging in
 //! the raised ones, not sorted anew.
 //! When no unplaced allocation spans the boundary between two sections, the two sides are
-//! solved apart (temporal decomposition). Work is counted (allocations scanned, sections
+//! solved apart (temporal decomposition). Capacities are probed in steps of the greatest
+//! common divisor of the sizes (every canonical arena is a multiple of it), by a portfolio of
+//! searches in fixed orders and, for `Exact`, restarts in perturbed orders. Work is counted (allocations scanned, sections
 //! checked, neighbours updated), never timed, so a budget gives the same answer on any
 //! machine; a deadline can only stop a search early.
 
 use std::rc::Rc;
 use std::time::Instant;
 
-use super::offsets::Conflicts;
+use super::offsets::{splitmix, Conflicts};
 use super::{OffsetPlan, Problem};
 
 /// Static orders tried in turn (each by decreasing keys, then index), with a doubling budget:
@@ -59,6 +63,8 @@ pub(crate) struct Schedule {
     /// The work of each probe for a smaller layout, as a fraction (numerator, denominator)
     /// of the work of the probe at the lower end.
     improve_share: (u64, u64),
+    /// Whether probes spend a share on searches in perturbed orders ([`Probe`]).
+    restarts: bool,
 }
 
 impl Schedule {
@@ -68,6 +74,7 @@ impl Schedule {
     pub(crate) const DEFAULT: Schedule = Schedule {
         probes: &[(0, 1), (1, 2), (3, 4)],
         improve_share: (2, 1),
+        restarts: false,
     };
     /// `Exact` also probes just below the best plan (a search there is quick when the plan
     /// is close to the optimum, as it is once the others have improved it), each probe with
@@ -77,6 +84,7 @@ impl Schedule {
     pub(crate) const EXACT: Schedule = Schedule {
         probes: &[(0, 1), (1, 2), (3, 4), (63, 64)],
         improve_share: (1, 1),
+        restarts: true,
     };
 }
 
@@ -99,6 +107,12 @@ struct Instance {
     total: Vec<u64>,
     /// Allocations live in both section `s` and `s + 1`.
     cuts: Vec<u32>,
+    /// The allocation of the same size and sections just before `b` (by index), or
+    /// `u32::MAX`: interchangeable allocations are placed in index order.
+    twin: Vec<u32>,
+    /// The largest number all sizes are multiples of: so are all canonical offsets and
+    /// arenas.
+    step: u64,
 }
 
 impl Instance {
@@ -151,8 +165,17 @@ impl Instance {
             adj.extend(conflicts.of_alloc(i as usize).map(|j| local[j as usize]));
             adj_start.push(adj.len());
         }
+        let size: Vec<u64> = ids.iter().map(|&i| p.sizes[i as usize]).collect();
+        let mut twin = vec![u32::MAX; ids.len()];
+        let mut last_of = std::collections::HashMap::new();
+        for b in 0..ids.len() {
+            if let Some(prev) = last_of.insert((size[b], lo[b], hi[b]), b as u32) {
+                twin[b] = prev;
+            }
+        }
+        let step = size.iter().fold(0, |g, &s| gcd(g, s)).max(1);
         Instance {
-            size: ids.iter().map(|&i| p.sizes[i as usize]).collect(),
+            size,
             length: ids
                 .iter()
                 .map(|&i| p.last[i as usize] - p.first[i as usize] + 1)
@@ -166,6 +189,8 @@ impl Instance {
             members,
             total,
             cuts,
+            twin,
+            step,
         }
     }
 
@@ -261,6 +286,9 @@ struct Dfs<'a> {
     inst: &'a Instance,
     capacity: u64,
     order: usize,
+    /// Nonzero: the static order's first key is scaled by a factor in [0.8, 1.2) drawn
+    /// from this and the allocation (a restart that looks elsewhere first).
+    seed: u64,
     offset: Vec<u64>,
     min_offset: Vec<u64>,
     total: Vec<u64>,
@@ -286,7 +314,9 @@ struct Dfs<'a> {
 }
 
 impl<'a> Dfs<'a> {
-    fn new(inst: &'a Instance, capacity: u64, order: usize) -> Dfs<'a> {
+    /// A search in static order `order`, its first key scaled by factors drawn from `seed`
+    /// when that is not zero.
+    fn new(inst: &'a Instance, capacity: u64, order: usize, seed: u64) -> Dfs<'a> {
         let n = inst.len();
         let sections = inst.total.len();
         let whole = Rc::new(Partition {
@@ -297,6 +327,7 @@ impl<'a> Dfs<'a> {
             inst,
             capacity,
             order,
+            seed,
             offset: vec![NONE; n],
             min_offset: vec![0; n],
             total: inst.total.clone(),
@@ -548,7 +579,12 @@ impl<'a> Dfs<'a> {
             .buffers
             .iter()
             .map(|&b| {
-                let k = PREORDERS[self.order].map(|k| u128::MAX - key(b as usize, k));
+                let mut k = PREORDERS[self.order].map(|k| key(b as usize, k));
+                if self.seed != 0 {
+                    let r = splitmix(self.seed ^ u64::from(b).wrapping_mul(0x9E37_79B9));
+                    k[0] = k[0] * (800 + u128::from(r % 400)) / 1000;
+                }
+                let k = k.map(|k| u128::MAX - k);
                 (k, b)
             })
             .collect();
@@ -622,6 +658,12 @@ impl<'a> Dfs<'a> {
                 break;
             }
             let b = preorder[rank as usize] as usize;
+            // Swapping two interchangeable allocations gives the same layout: the one with
+            // the smaller index goes lower.
+            let twin = inst.twin[b];
+            if twin != u32::MAX && self.offset[twin as usize] == NONE {
+                continue;
+            }
             let (fits, scanned, mark, hatless) = self.place(b, offset);
             if !self.spend(scanned, clock) {
                 self.unplace(b, mark);
@@ -746,37 +788,66 @@ enum Choice {
 /// Searches at one capacity: one [`Dfs`] per static order, run in turn, each for as much
 /// work as the others before it (doubling from turn to turn), as a portfolio: different
 /// inputs fall fastest to different orders, and a complete search under any is a proof.
+/// With restarts, one more turn goes to searches in perturbed orders, each given work by
+/// the Luby sequence and then replaced by the next: a search that went wrong near its root
+/// stays wrong for long, while a layout is often found quickly from another start.
 struct Probe<'a> {
+    inst: &'a Instance,
     capacity: u64,
     searches: Vec<Dfs<'a>>,
     slice: u64,
     turn: usize,
-    /// The search that found a layout.
+    /// The search that found a layout (`searches.len()`: the restart).
     found: Option<usize>,
+    restarts: Option<Restarts<'a>>,
+}
+
+/// The searches in perturbed orders of a [`Probe`].
+struct Restarts<'a> {
+    /// The current one (`None` before the first).
+    search: Option<Dfs<'a>>,
+    /// Searches started so far.
+    count: u64,
+    /// Work the current one may still spend.
+    left: u64,
+    /// Work of a search at Luby value 1.
+    unit: u64,
 }
 
 impl<'a> Probe<'a> {
-    fn new(inst: &'a Instance, capacity: u64) -> Probe<'a> {
+    fn new(inst: &'a Instance, capacity: u64, restarts: bool) -> Probe<'a> {
+        let slice = (16 * inst.len() as u64).max(1024);
         Probe {
+            inst,
             capacity,
             searches: (0..PREORDERS.len())
-                .map(|h| Dfs::new(inst, capacity, h))
+                .map(|h| Dfs::new(inst, capacity, h, 0))
                 .collect(),
-            slice: (16 * inst.len() as u64).max(1024),
+            slice,
             turn: 0,
             found: None,
+            restarts: restarts.then_some(Restarts {
+                search: None,
+                count: 0,
+                left: 0,
+                unit: 256 * slice,
+            }),
         }
     }
 
     /// Searches on with at most `work` units; returns how it ended and the units spent.
     fn run(&mut self, work: u64, clock: &mut Clock) -> (Outcome, u64) {
         let mut spent = 0;
+        let turns = self.searches.len() + usize::from(self.restarts.is_some());
         loop {
             if spent == work || clock.out_of_time {
                 return (Outcome::Stopped, spent);
             }
             let given = self.slice.min(work - spent);
-            let (outcome, used) = self.searches[self.turn].run(given, clock);
+            let (outcome, used) = match self.searches.get_mut(self.turn) {
+                Some(search) => search.run(given, clock),
+                None => self.restart(given, clock),
+            };
             spent += used;
             match outcome {
                 Outcome::Found => {
@@ -789,16 +860,82 @@ impl<'a> Probe<'a> {
                 Outcome::Stopped => {}
             }
             self.turn += 1;
-            if self.turn == self.searches.len() {
+            if self.turn == turns {
                 self.turn = 0;
                 self.slice = self.slice.saturating_mul(2);
             }
         }
     }
 
-    fn solution(&self) -> &[u64] {
-        self.searches[self.found.expect("a layout was found")].solution()
+    /// The restarts' turn: at most `work` units over as many of them as it takes.
+    fn restart(&mut self, work: u64, clock: &mut Clock) -> (Outcome, u64) {
+        let (inst, capacity) = (self.inst, self.capacity);
+        let r = self.restarts.as_mut().expect("a probe with restarts");
+        let mut spent = 0;
+        loop {
+            if r.left == 0 || r.search.is_none() {
+                r.count += 1;
+                let order = (r.count % PREORDERS.len() as u64) as usize;
+                r.search = Some(Dfs::new(inst, capacity, order, r.count));
+                r.left = r.unit.saturating_mul(luby(r.count));
+            }
+            let search = r.search.as_mut().expect("a restart search");
+            let own = r.left < work - spent;
+            let given = (work - spent).min(r.left);
+            let (outcome, used) = search.run(given, clock);
+            spent += used;
+            r.left -= used;
+            if outcome != Outcome::Stopped || clock.out_of_time || spent == work {
+                return (outcome, spent);
+            }
+            if used < given {
+                // Too little left for the next step: of `work`, or of its own share (then
+                // on to the next, whose share may be larger, in a later turn if this one
+                // spent nothing).
+                if !own {
+                    return (outcome, spent);
+                }
+                r.left = 0;
+                if used == 0 {
+                    return (outcome, spent);
+                }
+            }
+        }
     }
+
+    fn solution(&self) -> &[u64] {
+        let k = self.found.expect("a layout was found");
+        match self.searches.get(k) {
+            Some(search) => search.solution(),
+            None => self
+                .restarts
+                .as_ref()
+                .and_then(|r| r.search.as_ref())
+                .expect("the restart found it")
+                .solution(),
+        }
+    }
+}
+
+/// The `i`-th term (from 1) of the Luby sequence 1, 1, 2, 1, 1, 2, 4, 1, ...: restart
+/// lengths within a log factor of the best fixed one on any input.
+fn luby(i: u64) -> u64 {
+    let mut i = i;
+    loop {
+        // The smallest k with i <= 2^k - 1.
+        let k = 64 - i.leading_zeros();
+        if i == (1u64 << k) - 1 {
+            return 1 << (k - 1);
+        }
+        i -= (1u64 << (k - 1)) - 1;
+    }
+}
+
+fn gcd(mut a: u64, mut b: u64) -> u64 {
+    while b != 0 {
+        (a, b) = (b, a % b);
+    }
+    a
 }
 
 /// Merges the sorted runs `items[..mid]` and `items[mid..]` in place, with `scratch` as
@@ -851,7 +988,6 @@ impl Problem {
         &self,
         incumbent: OffsetPlan,
         bound: u64,
-        alignment: u64,
         work: u64,
         schedule: Schedule,
         deadline: Option<Instant>,
@@ -866,6 +1002,9 @@ impl Problem {
             };
         }
         let inst = Instance::of(self);
+        // Every layout pushed down is canonical, with an arena a multiple of the step: the
+        // optimum is one, and capacities in between need no probe.
+        let step = inst.step;
         let mut clock = Clock {
             deadline,
             ticks: 0,
@@ -874,7 +1013,7 @@ impl Problem {
         // The optimum lies in lo..=best. Each round gives the probes at the capacities of
         // the schedule more work (doubling from round to round), each going on where it stopped
         // unless its capacity changed, until lo meets the plan or the budget is spent.
-        let mut lo = bound;
+        let mut lo = bound.div_ceil(step) * step;
         let mut probes: Vec<Option<Probe>> = schedule.probes.iter().map(|_| None).collect();
         let mut slice = (64 * inst.len() as u64).max(4096);
         let proven = 'search: loop {
@@ -885,14 +1024,14 @@ impl Problem {
                 if left == 0 || clock.out_of_time {
                     break 'search false;
                 }
-                let gap = (best.arena_size - lo) / alignment;
-                let capacity = lo + gap * num / den * alignment;
+                let gap = (best.arena_size - lo) / step;
+                let capacity = lo + gap * num / den * step;
                 if k > 0 && capacity == lo {
                     continue;
                 }
                 let probe = match &mut probes[k] {
                     Some(p) if p.capacity == capacity => p,
-                    slot => slot.insert(Probe::new(&inst, capacity)),
+                    slot => slot.insert(Probe::new(&inst, capacity, schedule.restarts)),
                 };
                 let share = if k == 0 {
                     slice
@@ -909,7 +1048,7 @@ impl Problem {
                 }
                 match outcome {
                     Outcome::Found => best = self.plan_of(&inst, &best, probe.solution()),
-                    Outcome::Infeasible => lo = capacity + alignment,
+                    Outcome::Infeasible => lo = capacity + step,
                     Outcome::Stopped => {}
                 }
             }

@@ -212,13 +212,11 @@ pub fn plan_offsets_with(
             false,
             options.work_budget.unwrap_or(DEFAULT_BEST_WORK),
             deadline,
-            alignment,
         ),
         Algorithm::Exact => problem.best(
             true,
             options.work_budget.unwrap_or(DEFAULT_EXACT_WORK),
             deadline,
-            alignment,
         ),
         Algorithm::Pytorch => problem.known(problem.pytorch()),
         greedy => problem.known(problem.greedy(offsets::Order::of(greedy))),

@@ -333,7 +333,6 @@ impl Problem {
         exhaustive: bool,
         work: u64,
         deadline: Option<Instant>,
-        alignment: u64,
     ) -> PlanOutcome {
         let nonzero = self.nonzero();
         let mut greedy = Greedy::new(self);
@@ -398,8 +397,7 @@ impl Problem {
         } else {
             Schedule::DEFAULT
         };
-        let searched =
-            self.canonical_search(best, bound, alignment, work - spent, schedule, deadline);
+        let searched = self.canonical_search(best, bound, work - spent, schedule, deadline);
         PlanOutcome {
             plan: searched.plan,
             proven_optimal: searched.proven,
@@ -418,7 +416,7 @@ fn bounded(plan: OffsetPlan, bound: u64, work: u64) -> PlanOutcome {
 }
 
 /// The next state of a splitmix64 generator (a fixed sequence: plans stay deterministic).
-fn splitmix(state: u64) -> u64 {
+pub(crate) fn splitmix(state: u64) -> u64 {
     let mut z = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
