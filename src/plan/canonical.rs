@@ -23,9 +23,9 @@
 //! When no unplaced allocation spans the boundary between two sections, the two sides are
 //! solved apart (temporal decomposition). Capacities are probed in steps of the greatest
 //! common divisor of the sizes (every canonical arena is a multiple of it), by a portfolio of
-//! searches in fixed orders and, for `Exact`, restarts in perturbed orders. Work is counted (allocations scanned, sections
-//! checked, neighbours updated), never timed, so a budget gives the same answer on any
-//! machine; a deadline can only stop a search early.
+//! searches in fixed orders and, for `Exact`, restarts in perturbed orders. Work is counted
+//! (allocations scanned, sections checked, neighbours updated), never timed, so a budget
+//! gives the same answer on any machine; a deadline can only stop a search early.
 
 use std::rc::Rc;
 use std::time::Instant;
@@ -582,7 +582,7 @@ impl<'a> Dfs<'a> {
                 let mut k = PREORDERS[self.order].map(|k| key(b as usize, k));
                 if self.seed != 0 {
                     let r = splitmix(self.seed ^ u64::from(b).wrapping_mul(0x9E37_79B9));
-                    k[0] = k[0] * (800 + u128::from(r % 400)) / 1000;
+                    k[0] = k[0].saturating_mul(800 + u128::from(r % 400)) / 1000;
                 }
                 let k = k.map(|k| u128::MAX - k);
                 (k, b)
