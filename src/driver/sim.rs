@@ -188,6 +188,7 @@ impl Reservation {
 
     /// The index in [`Reservation::pages`] of the page at `addr` (granularity-aligned) of the
     /// reservation starting at `start`.
+    #[inline]
     fn page(start: u64, addr: u64) -> usize {
         let g = SIM_GRANULARITY as u64;
         ((addr - start / g * g) / g) as usize
@@ -206,20 +207,31 @@ impl Reservation {
         Ok(())
     }
 
-    /// Records allocation `handle` of `size` bytes as mapped at `addr` (checked unmapped).
-    fn map(&mut self, start: u64, addr: u64, size: u64, handle: u64) {
+    /// Records `[addr, addr + size)` (checked unmapped) as mapped by allocations of `each`
+    /// bytes (the last one the rest), numbered from `handle`.
+    #[inline]
+    fn map(&mut self, start: u64, addr: u64, size: u64, each: u64, handle: u64) {
+        let g = SIM_GRANULARITY as u64;
         let first = Self::page(start, addr);
-        let n = size.div_ceil(SIM_GRANULARITY as u64) as usize;
-        if self.pages.len() < first + n {
-            self.pages.resize(first + n, Page::Unmapped);
+        let end = first + size.div_ceil(g) as usize;
+        if self.pages.len() < end {
+            self.pages.resize(end, Page::Unmapped);
         }
-        self.pages[first] = Page::Head { handle, size };
-        self.pages[first + 1..first + n].fill(Page::Tail);
+        let per = each.div_ceil(g) as usize;
+        let (mut at, mut left, mut handle) = (first, size, handle);
+        for chunk in self.pages[first..end].chunks_mut(per) {
+            let size = each.min(left);
+            chunk[0] = Page::Head { handle, size };
+            chunk[1..].fill(Page::Tail);
+            (at, left, handle) = (at + chunk.len(), left - size, handle + 1);
+        }
+        debug_assert_eq!((at, left), (end, 0));
         self.mapped += size;
     }
 
     /// Unmaps allocation `handle` of `size` bytes at `addr`; false (and nothing changed) when
     /// that is not what is mapped there.
+    #[inline]
     fn unmap(&mut self, start: u64, addr: u64, size: u64, handle: u64) -> bool {
         let first = Self::page(start, addr);
         if !addr.is_multiple_of(SIM_GRANULARITY as u64)
@@ -233,7 +245,6 @@ impl Reservation {
         true
     }
 }
-
 
 impl SimDevice {
     fn new(index: usize, capacity: u64, backed: bool) -> Result<SimDevice> {
@@ -440,7 +451,9 @@ impl SimDevice {
             && addr.is_multiple_of(g)
             && size.is_multiple_of(g)
             && handle.is_multiple_of(g);
-        let Some((start, range)) = Reservation::find(&mut st.vmm.ranges, addr, size).filter(|_| aligned) else {
+        let Some((start, range)) =
+            Reservation::find(&mut st.vmm.ranges, addr, size).filter(|_| aligned)
+        else {
             return Err(Error::Driver(format!(
                 "CUDA_ERROR_INVALID_VALUE: cannot map [{addr:#x}, +{size}): not a granularity-aligned part of a reserved range"
             )));
@@ -458,10 +471,7 @@ impl SimDevice {
         let first = st.vmm.next_handle + 1;
         let count = size.div_ceil(handle);
         st.vmm.next_handle += count;
-        for (i, h) in (first..first + count).enumerate() {
-            let at = i as u64 * handle;
-            range.map(start, addr + at, handle.min(size - at), h);
-        }
+        range.map(start, addr, size, handle, first);
         handles.extend((first..first + count).map(PhysHandle));
         Ok(())
     }
@@ -471,18 +481,18 @@ impl SimDevice {
     fn vmm_unmap_many(&self, maps: &[(usize, usize, PhysHandle)], keep: bool) -> Result<()> {
         let mut guard = self.state.lock();
         let st = &mut *guard;
+        let vmm = &mut st.vmm;
         // The reservation of the mapping before, reused while the mappings stay inside it.
-        let mut last: Option<(u64, u64)> = None;
+        let mut last: Option<(u64, &mut Reservation)> = None;
         for &(addr, size, handle) in maps {
             let (a, len) = (addr as u64, size as u64);
-            let unmapped = match last.filter(|&(s, l)| a >= s && a.saturating_add(len) <= s + l) {
-                Some((s, _)) => st.vmm.ranges.get_mut(&s).map(|r| (s, r)),
-                None => Reservation::find(&mut st.vmm.ranges, a, len),
+            let inside = |s: u64, r: &Reservation| a >= s && a.saturating_add(len) <= s + r.size;
+            if !last.as_ref().is_some_and(|(s, r)| inside(*s, r)) {
+                last = Reservation::find(&mut vmm.ranges, a, len);
             }
-            .is_some_and(|(s, r)| {
-                last = Some((s, r.size));
-                r.unmap(s, a, len, handle.0)
-            });
+            let unmapped = last
+                .as_mut()
+                .is_some_and(|(s, r)| r.unmap(*s, a, len, handle.0));
             if !unmapped {
                 return Err(Error::Driver(format!(
                     "CUDA_ERROR_INVALID_VALUE: [{addr:#x}, +{size}) is not mapped by handle {}",
@@ -490,7 +500,7 @@ impl SimDevice {
                 )));
             }
             if keep {
-                st.vmm.kept.push((handle.0, len));
+                vmm.kept.push((handle.0, len));
             } else {
                 st.used -= len;
             }
@@ -559,11 +569,24 @@ impl SimDevice {
         };
         range.check_unmapped(start, addr, size)?;
         self.make_accessible(addr, size)?;
-        let mut at = addr;
-        for &(l, h) in maps {
-            range.map(start, at, l as u64, h.0);
-            at += l as u64;
+        let (first, end) = (
+            Reservation::page(start, addr),
+            Reservation::page(start, addr + size),
+        );
+        if range.pages.len() < end {
+            range.pages.resize(end, Page::Unmapped);
         }
+        let mut at = first;
+        for &(l, h) in maps {
+            let n = l.div_ceil(SIM_GRANULARITY);
+            range.pages[at] = Page::Head {
+                handle: h.0,
+                size: l as u64,
+            };
+            range.pages[at + 1..at + n].fill(Page::Tail);
+            at += n;
+        }
+        range.mapped += size;
         if is_tail {
             let left = st.vmm.kept.len() - maps.len();
             st.vmm.kept.truncate(left);
