@@ -466,6 +466,39 @@ fn peak_is_the_highest_total_across_streams() {
 }
 
 #[test]
+fn peaks_stay_exact_when_emptied_streams_give_up_their_headroom() {
+    let (_sim, a) = alloc(256 * MIB);
+    let (s1, s2, s3) = (unique_stream(), unique_stream(), unique_stream());
+    let p = a.malloc(8 * MIB, s1).unwrap();
+    let q = a.malloc(2 * MIB, s2).unwrap();
+    a.free(p, Some(s1)).unwrap();
+    // Stream 1 holds nothing once its segment is returned; stream 2 still holds 2 MiB.
+    a.empty_cache().unwrap();
+    assert_eq!(stats(&a).allocated_bytes[AGG].peak, (10 * MIB) as i64);
+    // A new stream uses the headroom stream 1 gave up: no new peak below 10 MiB.
+    let r = a.malloc(7 * MIB, s3).unwrap();
+    assert_eq!(stats(&a).allocated_bytes[AGG].peak, (10 * MIB) as i64);
+    // Stream 1 comes back: 2 + 7 + 4 MiB is a new peak.
+    let p = a.malloc(4 * MIB, s1).unwrap();
+    assert_eq!(stats(&a).allocated_bytes[AGG].peak, (13 * MIB) as i64);
+    for (ptr, s) in [(p, s1), (q, s2), (r, s3)] {
+        a.free(ptr, Some(s)).unwrap();
+    }
+    a.empty_cache().unwrap();
+    let p = a.malloc(12 * MIB, s2).unwrap();
+    assert_eq!(stats(&a).allocated_bytes[AGG].peak, (13 * MIB) as i64);
+    let q = a.malloc(2 * MIB, s3).unwrap();
+    assert_eq!(stats(&a).allocated_bytes[AGG].peak, (14 * MIB) as i64);
+    a.free(p, Some(s2)).unwrap();
+    a.free(q, Some(s3)).unwrap();
+    a.reset_peak_stats();
+    assert_eq!(stats(&a).allocated_bytes[AGG].peak, 0);
+    let p = a.malloc(MIB, s1).unwrap();
+    assert_eq!(stats(&a).allocated_bytes[AGG].peak, MIB as i64);
+    a.free(p, Some(s1)).unwrap();
+}
+
+#[test]
 fn reset_peak_stats_sets_peaks_to_current_values() {
     let (_sim, a) = alloc(256 * MIB);
     let p = a.malloc(8 * MIB, 0).unwrap();
@@ -712,11 +745,32 @@ fn many_threads_on_many_streams_never_overlap_and_leave_nothing() {
 /// peak is exactly their sum, far above anything the churn before could reach.
 #[test]
 fn peaks_are_exact_after_threads_churn_on_alternating_streams() {
+    churn_then_hold_together(false);
+}
+
+/// The same while another thread keeps emptying the cache, so that streams that hold nothing
+/// give up their headroom in the middle of other streams' settles.
+#[test]
+fn peaks_are_exact_when_the_cache_is_emptied_while_threads_churn() {
+    churn_then_hold_together(true);
+}
+
+fn churn_then_hold_together(empty_cache_meanwhile: bool) {
     const THREADS: usize = 4;
     const HOLD: usize = 8 * MIB;
     let (_sim, a) = alloc(1 << 30);
     let a = Arc::new(a);
     let barrier = Arc::new(std::sync::Barrier::new(THREADS + 1));
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let emptier = empty_cache_meanwhile.then(|| {
+        let (a, stop) = (a.clone(), stop.clone());
+        std::thread::spawn(move || {
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                a.empty_cache().unwrap();
+                std::thread::yield_now();
+            }
+        })
+    });
     let threads: Vec<_> = (0..THREADS)
         .map(|t| {
             let (a, barrier) = (a.clone(), barrier.clone());
@@ -740,6 +794,10 @@ fn peaks_are_exact_after_threads_churn_on_alternating_streams() {
         })
         .collect();
     barrier.wait();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    if let Some(t) = emptier {
+        t.join().unwrap();
+    }
     let s = a.stats();
     assert_eq!(s.allocated_bytes[AGG].peak, (THREADS * HOLD) as i64);
     assert_eq!(s.requested_bytes[AGG].peak, (THREADS * HOLD) as i64);

@@ -103,6 +103,8 @@ struct Turn {
     sizes: Vec<usize>,
     keep: usize,
     reset_peaks: bool,
+    /// Empty the cache first: streams that hold nothing give up their headroom.
+    empty_cache: bool,
 }
 
 fn turn() -> impl Strategy<Value = Turn> {
@@ -117,14 +119,18 @@ fn turn() -> impl Strategy<Value = Turn> {
         proptest::collection::vec(size, 1..12),
         0usize..3,
         proptest::bool::weighted(0.05),
+        proptest::bool::weighted(0.15),
     )
-        .prop_map(|(stream, frees, sizes, keep, reset_peaks)| Turn {
-            stream,
-            frees,
-            sizes,
-            keep,
-            reset_peaks,
-        })
+        .prop_map(
+            |(stream, frees, sizes, keep, reset_peaks, empty_cache)| Turn {
+                stream,
+                frees,
+                sizes,
+                keep,
+                reset_peaks,
+                empty_cache,
+            },
+        )
 }
 
 /// Statistics whose value moves one way within a single malloc or free, so their exact peak
@@ -162,6 +168,10 @@ proptest! {
             Ok(())
         };
         for t in turns {
+            if t.empty_cache {
+                a.empty_cache().unwrap();
+                check(&a, &mut high)?;
+            }
             if t.reset_peaks {
                 a.reset_peak_stats();
                 high = monotone(&a.stats(), |s| s.current);

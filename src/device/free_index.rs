@@ -206,6 +206,13 @@ impl Bitmap {
     }
 }
 
+impl<T> Slots<T> {
+    /// The slots in use, in order (found through the bitmap, not by trying every slot).
+    fn used_in_order(&self) -> impl Iterator<Item = usize> + '_ {
+        std::iter::successors(self.used.next(0), |&n| self.used.next(n + 1))
+    }
+}
+
 /// 64 × 64 numbered slots of `T`, made in groups of 64 when first used, with a bitmap of the
 /// slots in use (whose content the owner keeps non-empty).
 struct Slots<T> {
@@ -315,14 +322,12 @@ impl Bins {
     }
 
     fn iter(&self) -> impl Iterator<Item = Key> + '_ {
-        (0..BINS)
-            .filter(|&b| self.0.used.contains(b))
-            .flat_map(move |b| {
-                self.list(b)
-                    .iter()
-                    .rev()
-                    .map(move |&(addr, id)| ((b + 1) * STEP, addr, id))
-            })
+        self.0.used_in_order().flat_map(move |b| {
+            self.list(b)
+                .iter()
+                .rev()
+                .map(move |&(addr, id)| ((b + 1) * STEP, addr, id))
+        })
     }
 }
 
@@ -414,8 +419,8 @@ impl Classes {
     }
 
     fn iter(&self) -> impl Iterator<Item = Key> + '_ {
-        (0..BINS)
-            .filter(|&c| self.0.used.contains(c))
+        self.0
+            .used_in_order()
             .flat_map(move |c| self.class(c).iter())
     }
 }

@@ -235,7 +235,7 @@ impl DeviceAllocator {
                     index,
                     private: true,
                     inner: super::shard::ShardLock::default(),
-                    stats: ShardStats::default(),
+                    stats: ShardStats::new(&self.counters),
                 })?
             }
         };

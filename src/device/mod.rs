@@ -45,7 +45,9 @@ use history::Action;
 use limit::MemoryLimit;
 use shard::{ShardInner, ShardLock, StatSink, State};
 use size::{format_bytes, round_size_with, segment_size, PoolKind, MAX_REQUEST};
-use stats::{DeviceCounters, DeviceStats, ShardStats, Stat, StatKind, TRACKED};
+use stats::{
+    DeviceCounters, DeviceStats, SettleState, ShardStats, Stat, StatKind, Unowned, TRACKED,
+};
 use table::ShardTable;
 
 pub use graph::{PoolId, StreamFilter};
@@ -136,45 +138,60 @@ impl Drop for OpSink<'_> {
     }
 }
 
-/// Holds the locks of every shard but one (whose lock the caller holds) without allocating.
+/// Holds the locks of every engaged shard ([`ShardStats::is_engaged`]) but one, whose lock
+/// the caller holds. The others hold no headroom and count as holding nothing until they
+/// mark an overdraft, which is settled after this settle (by its thread, or by the settle
+/// lock's holder once it has released that lock). The caller holds the settle lock, whose
+/// list of held shards grows only when more shards are engaged than ever before.
 struct LockedShards<'a> {
     alloc: &'a DeviceAllocator,
     home: &'a Shard,
-    /// Shards made after locking start at zero with no overdraft; they are left out.
-    count: usize,
+    /// Indices of the locked shards and the caller's (the settle lock's scratch list).
+    held: &'a mut Vec<u32>,
 }
 
 impl<'a> LockedShards<'a> {
-    fn lock(alloc: &'a DeviceAllocator, home: &'a Shard) -> Self {
-        let all = LockedShards {
-            alloc,
-            home,
-            count: alloc.shards.iter().count(),
-        };
-        // Settling touches statistics only: a held memo allocation stays held.
-        for shard in all.others() {
-            std::mem::forget(shard.inner.lock_memo());
+    fn lock(alloc: &'a DeviceAllocator, home: &'a Shard, held: &'a mut Vec<u32>) -> Self {
+        held.clear();
+        held.push(home.index);
+        home.stats.held.store(true, Relaxed);
+        if home.stats.engaged_alone() {
+            return LockedShards { alloc, home, held };
         }
-        all
+        // Settling touches statistics only: a held memo allocation stays held.
+        loop {
+            let before = held.len();
+            for shard in alloc.shards.iter() {
+                if !shard.stats.held.load(Relaxed) && shard.stats.is_engaged() {
+                    std::mem::forget(shard.inner.lock_memo());
+                    shard.stats.held.store(true, Relaxed);
+                    held.push(shard.index);
+                }
+            }
+            if held.len() == before {
+                return LockedShards { alloc, home, held };
+            }
+        }
     }
 
     /// Every locked shard and the caller's.
-    fn shards(&self) -> impl Iterator<Item = &'a Shard> {
-        self.alloc.shards.iter().take(self.count)
-    }
-
-    fn others(&self) -> impl Iterator<Item = &'a Shard> {
-        let home = self.home;
-        self.shards().filter(move |s| !std::ptr::eq(*s, home))
+    fn shards(&self) -> impl Iterator<Item = &'a Shard> + '_ {
+        let table = &self.alloc.shards;
+        self.held.iter().filter_map(move |&i| table.by_index(i))
     }
 }
 
 impl Drop for LockedShards<'_> {
     fn drop(&mut self) {
-        for shard in self.others() {
-            // SAFETY: `lock` locked this shard and forgot the guard; this is its only unlock.
-            unsafe { shard.inner.force_unlock() };
+        for shard in self.shards() {
+            shard.stats.held.store(false, Relaxed);
+            if !std::ptr::eq(shard, self.home) {
+                // SAFETY: `lock` locked this shard, forgot the guard and listed it once in
+                // `held`, which is cleared below: this is its only unlock.
+                unsafe { shard.inner.force_unlock() };
+            }
         }
+        self.held.clear();
     }
 }
 
@@ -251,7 +268,7 @@ impl DeviceAllocator {
             index,
             private: false,
             inner: ShardLock::default(),
-            stats: ShardStats::default(),
+            stats: ShardStats::new(&self.counters),
         })
     }
 
@@ -270,21 +287,22 @@ impl DeviceAllocator {
     }
 
     /// Settles statistics of `home` (whose lock the caller holds) that passed their limits,
-    /// unless another thread is settling: that thread then settles them too. Allocates
-    /// nothing; see [`stats`] for the two ways of settling.
+    /// unless another thread is settling: that thread then settles them too. Allocates only
+    /// when more shards are engaged than at any earlier settle; see [`stats`] for the two
+    /// ways of settling.
     #[cold]
     #[inline(never)]
     fn settle_peaks(&self, home: &Shard) {
         loop {
-            let Some(settle) = self.counters.settle.try_lock() else {
+            let Some(mut settle) = self.counters.settle.try_lock() else {
                 return;
             };
-            if !self.settle_from_donors(home) {
-                self.settle_all(home);
+            if !self.settle_from_donors(home, &mut settle.unowned) {
+                self.settle_all(home, &mut settle);
             }
             drop(settle);
             stats::after_settle_unlock();
-            if !self.shards.iter().any(|s| s.stats.is_over()) {
+            if home.stats.engaged_alone() || !self.shards.iter().any(|s| s.stats.is_over()) {
                 return;
             }
         }
@@ -294,14 +312,26 @@ impl DeviceAllocator {
     /// time and skipping donors whose lock is busy. Returns false when that was not enough,
     /// or another shard has an overdraft waiting, so that every shard must be settled. The
     /// caller holds the settle lock and `home`'s lock.
-    fn settle_from_donors(&self, home: &Shard) -> bool {
+    fn settle_from_donors(&self, home: &Shard, unowned: &mut Unowned) -> bool {
         let mut wanted = home.stats.raise_top_wanted();
+        if wanted != 0 {
+            wanted = home.stats.take_unowned(unowned, wanted);
+        }
+        if home.stats.engaged_alone() {
+            // No other shard holds headroom or an overdraft.
+            home.stats.clear_covered();
+            return !home.stats.is_over();
+        }
         for donor in self.shards.iter() {
+            if wanted == 0 {
+                break;
+            }
             // A donor that shows no headroom of what is wanted is not locked. Its counters are
             // read without its lock, so the look may be stale: a donor skipped wrongly only
             // sends this settle to `settle_all`, which is exact, and one locked wrongly is
             // checked again under its lock.
             if std::ptr::eq(donor, home)
+                || !donor.stats.is_engaged()
                 || !(donor.stats.may_spare(wanted) || donor.stats.is_over())
             {
                 continue;
@@ -313,19 +343,18 @@ impl DeviceAllocator {
                 return false;
             }
             wanted = home.stats.take_spare(&donor.stats, wanted);
-            if wanted == 0 {
-                break;
-            }
         }
         home.stats.clear_covered();
         !home.stats.is_over() && !self.shards.iter().any(|s| s.stats.is_over())
     }
 
-    /// Settles every shard under every shard's lock. The caller holds the settle lock and
-    /// `home`'s lock.
-    fn settle_all(&self, home: &Shard) {
-        let all = LockedShards::lock(self, home);
-        stats::settle(&self.counters, || all.shards().map(|s| &s.stats));
+    /// Settles every engaged shard under their locks ([`LockedShards`]). The caller holds the
+    /// settle lock (which guards `state`) and `home`'s lock.
+    fn settle_all(&self, home: &Shard, state: &mut SettleState) {
+        let all = LockedShards::lock(self, home, &mut state.held);
+        stats::settle(&self.counters, &mut state.unowned, || {
+            all.shards().map(|s| &s.stats)
+        });
     }
 
     fn total_current(&self, index: usize) -> i64 {
@@ -847,7 +876,44 @@ impl DeviceAllocator {
             let mut inner = shard.inner.lock();
             self.release_shard(shard, &mut inner)?;
         }
-        self.release_unused_pools()
+        self.release_unused_pools()?;
+        self.retire_idle_shards();
+        Ok(())
+    }
+
+    /// Moves the headroom of shards that hold nothing to the device's unowned headroom, so
+    /// that settles take it without locking them and leave them alone ([`stats`]), unless
+    /// a settle is under way. The caller holds no shard lock.
+    fn retire_idle_shards(&self) {
+        // Never waited for: an overdraft marked while the settle lock is held is settled only
+        // after it is released, so it is held briefly, and busy shards are left engaged.
+        let Some(mut settle) = self.counters.settle.try_lock() else {
+            return;
+        };
+        for shard in self.shards.iter() {
+            if shard.stats.is_engaged() {
+                if let Some(_inner) = shard.inner.try_lock_memo() {
+                    shard.stats.retire(&mut settle.unowned);
+                }
+            }
+        }
+        drop(settle);
+        self.settle_left_overdrafts();
+    }
+
+    /// After a settle lock taken without settling is released: settles the overdrafts that
+    /// threads marked meanwhile, as their try of the settle lock failed (the [`stats`]
+    /// protocol). The caller holds no shard lock.
+    fn settle_left_overdrafts(&self) {
+        stats::after_settle_unlock();
+        for shard in self.shards.iter() {
+            if shard.stats.is_over() {
+                let _inner = shard.inner.lock_memo();
+                if shard.stats.is_over() {
+                    self.settle_peaks(shard);
+                }
+            }
+        }
     }
 
     /// Returns every unused cached segment to the driver (after waiting for outstanding
@@ -911,19 +977,22 @@ impl DeviceAllocator {
 
     /// Sets every peak to its current value.
     pub fn reset_peak_stats(&self) {
-        let _settle = self.counters.settle.lock();
+        let mut settle = self.counters.settle.lock();
         let shards: Vec<&Shard> = self.shards.iter().collect();
-        let _guards: Vec<_> = shards.iter().map(|s| s.inner.lock()).collect();
+        let guards: Vec<_> = shards.iter().map(|s| s.inner.lock()).collect();
         let stats: Vec<&ShardStats> = shards.iter().map(|s| &s.stats).collect();
-        stats::reset_peaks(&self.counters, &stats);
+        stats::reset_peaks(&self.counters, &mut settle.unowned, &stats);
+        drop(guards);
+        drop(settle);
+        self.settle_left_overdrafts();
     }
 
     /// Zeroes the accumulated totals (`allocated`, `freed`) and the event counters
     /// (retries, OOMs, syncs, driver allocations and frees, invalid frees).
     pub fn reset_accumulated_stats(&self) {
-        let _settle = self.counters.settle.lock();
+        let settle = self.counters.settle.lock();
         let shards: Vec<&Shard> = self.shards.iter().collect();
-        let _guards: Vec<_> = shards.iter().map(|s| s.inner.lock()).collect();
+        let guards: Vec<_> = shards.iter().map(|s| s.inner.lock()).collect();
         for s in &shards {
             for c in &s.stats.cells {
                 c.reset_accumulated();
@@ -940,6 +1009,9 @@ impl DeviceAllocator {
         ] {
             counter.store(0, Relaxed);
         }
+        drop(guards);
+        drop(settle);
+        self.settle_left_overdrafts();
     }
 
     /// The segment that holds the live allocation containing `ptr` (its start or any byte

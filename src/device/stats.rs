@@ -25,13 +25,21 @@
 //! A shard's limit never passes what it needed at some settle, so streams that each hold
 //! steady stop settling after their first rounds.
 //!
+//! Headroom of shards that hold nothing goes to the device's unowned headroom
+//! ([`DeviceCounters`]' `spare`) when the cache is emptied, so a later settle takes it without
+//! locking anyone, and such shards are no longer *engaged*: a settle neither locks nor reads
+//! them. Every peak is the sum of its statistic's limits and its unowned headroom.
+//!
 //! Lock order: the settle lock, then shard locks. A thread that holds a shard lock only
 //! *tries* the settle lock; when another thread holds it, the overdraft is left marked on the
 //! shard, and the holder looks for marked overdrafts once more after releasing the settle
 //! lock (a sequentially consistent fence on both sides makes sure one of the two sees the
 //! other) and settles them.
 
-use std::sync::atomic::{fence, AtomicI64, AtomicU32, Ordering::Relaxed, Ordering::SeqCst};
+use std::sync::atomic::{
+    fence, AtomicBool, AtomicI64, AtomicU32, AtomicUsize, Ordering::Relaxed, Ordering::SeqCst,
+};
+use std::sync::Arc;
 
 use parking_lot::Mutex;
 
@@ -182,15 +190,31 @@ pub(crate) struct ShardStats {
     /// Highest need of each statistic at a settle of this shard since peaks were reset: the
     /// headroom it takes from donors when it settles.
     top: [AtomicI64; TRACKED],
+    /// Whether some limit may be above zero or some statistic is over its limit. When false,
+    /// every limit is zero and the shard counts as holding nothing: an operation in progress
+    /// on it takes effect for settles when it marks its first overdraft (which sets this), and
+    /// that overdraft is settled after any settle that left the shard out. Set by
+    /// [`ShardStats::change`] when a statistic passes its limit (limits rise only for shards
+    /// that are over), cleared under the settle lock and the shard's lock.
+    engaged: AtomicBool,
+    /// Whether the settle in progress holds this shard's lock (read and written only by the
+    /// holder of the settle lock).
+    pub held: AtomicBool,
+    /// The device's count of engaged shards ([`DeviceCounters`]' `engaged_shards`).
+    engaged_shards: Arc<AtomicUsize>,
 }
 
-impl Default for ShardStats {
-    fn default() -> Self {
+impl ShardStats {
+    /// Statistics of a new shard of the device whose counters are `counters`.
+    pub fn new(counters: &DeviceCounters) -> Self {
         ShardStats {
+            engaged_shards: Arc::clone(&counters.engaged_shards),
             cells: std::array::from_fn(|_| Cell::default()),
             over: AtomicU32::new(0),
             high: std::array::from_fn(|_| AtomicI64::new(0)),
             top: std::array::from_fn(|_| AtomicI64::new(0)),
+            engaged: AtomicBool::new(false),
+            held: AtomicBool::new(false),
         }
     }
 }
@@ -222,6 +246,7 @@ impl ShardStats {
         if self.over.load(Relaxed) & bit == 0 || high.load(Relaxed) < current {
             high.store(current, Relaxed);
         }
+        self.set_engaged(true);
         self.over.store(self.over.load(Relaxed) | bit, Relaxed);
         // Pairs with the fence after the settle lock is released (module documentation).
         fence(SeqCst);
@@ -232,20 +257,58 @@ impl ShardStats {
         self.over.load(Relaxed) != 0
     }
 
-    /// Records the current needs in `top`, before this shard settles. The caller holds the
-    /// settle lock and the shard's lock.
-    pub fn raise_top(&self) {
-        for i in 0..TRACKED {
-            let need = self.need(i);
-            if need > self.top[i].load(Relaxed) {
-                self.top[i].store(need, Relaxed);
+    /// Whether a settle must lock and read this shard: it may hold headroom or be over.
+    pub fn is_engaged(&self) -> bool {
+        self.engaged.load(Relaxed) || self.is_over()
+    }
+
+    /// Whether this shard is the device's only engaged one: then a settle of it needs no
+    /// other shard. The caller holds the shard's lock (so it cannot become engaged or stop
+    /// being so meanwhile).
+    pub fn engaged_alone(&self) -> bool {
+        self.engaged.load(Relaxed) && self.engaged_shards.load(Relaxed) == 1
+    }
+
+    fn set_engaged(&self, on: bool) {
+        if self.engaged.swap(on, Relaxed) != on {
+            if on {
+                self.engaged_shards.fetch_add(1, Relaxed);
+            } else {
+                self.engaged_shards.fetch_sub(1, Relaxed);
             }
         }
     }
 
-    /// [`ShardStats::raise_top`], then the statistics whose limit is below what this shard
-    /// wants: its `top` (a bit per statistic, for [`ShardStats::take_spare`]), in one pass.
-    /// The caller holds the settle lock and the shard's lock.
+    /// Moves unowned headroom to this shard for the statistics of `wanted`: whole parcels
+    /// (what one emptied shard gave up), as from a donor that holds none of a statistic, so
+    /// that streams that come back take about what they held before. Returns the statistics
+    /// still wanting headroom. The caller holds the settle lock and the shard's lock.
+    pub fn take_unowned(&self, unowned: &mut Unowned, wanted: u32) -> u32 {
+        self.take_headroom(wanted, |i, short| unowned.take(i, short, true))
+    }
+
+    /// When this shard holds nothing, gives all its headroom to the device's unowned
+    /// headroom as one parcel and stops being engaged; returns whether it did. The caller
+    /// holds the settle lock and the shard's lock.
+    pub fn retire(&self, unowned: &mut Unowned) -> bool {
+        if !self.engaged.load(Relaxed)
+            || self.is_over()
+            || self.cells.iter().any(|c| c.current.load(Relaxed) != 0)
+        {
+            return false;
+        }
+        let parcel = std::array::from_fn(|i| {
+            self.top[i].store(0, Relaxed);
+            self.cells[i].limit.swap(0, Relaxed)
+        });
+        unowned.give(parcel);
+        self.set_engaged(false);
+        true
+    }
+
+    /// Records the current needs in `top`, before this shard settles, and returns the
+    /// statistics whose limit is below their `top` (a bit per statistic, for
+    /// [`ShardStats::take_spare`]). The caller holds the settle lock and the shard's lock.
     pub fn raise_top_wanted(&self) -> u32 {
         let mut wanted = 0;
         for i in 0..TRACKED {
@@ -287,6 +350,22 @@ impl ShardStats {
     /// overdrafts that are covered.
     pub fn take_spare(&self, donor: &ShardStats, wanted: u32) -> u32 {
         debug_assert!(!donor.is_over());
+        self.take_headroom(wanted, |i, short| {
+            let theirs = &donor.cells[i].limit;
+            let held = donor.cells[i].current.load(Relaxed);
+            let spare = theirs.load(Relaxed) - held;
+            let take = if held == 0 { spare } else { spare.min(short) };
+            if take > 0 {
+                theirs.store(theirs.load(Relaxed) - take, Relaxed);
+            }
+            take
+        })
+    }
+
+    /// For each statistic of `wanted` short of what this shard wants (its `top` or its
+    /// need), adds to its limit what `give(statistic, shortfall)` hands over (taken from
+    /// elsewhere). Returns the statistics still short.
+    fn take_headroom(&self, wanted: u32, mut give: impl FnMut(usize, i64) -> i64) -> u32 {
         let mut still = 0;
         let mut left = wanted;
         while left != 0 {
@@ -297,12 +376,8 @@ impl ShardStats {
             if short <= 0 {
                 continue;
             }
-            let theirs = &donor.cells[i].limit;
-            let held = donor.cells[i].current.load(Relaxed);
-            let spare = theirs.load(Relaxed) - held;
-            let take = if held == 0 { spare } else { spare.min(short) };
+            let take = give(i, short);
             if take > 0 {
-                theirs.store(theirs.load(Relaxed) - take, Relaxed);
                 limit.store(limit.load(Relaxed) + take, Relaxed);
             }
             if take < short {
@@ -339,10 +414,14 @@ impl ShardStats {
     }
 }
 
-/// Settles every shard's overdrafts. The caller holds the settle lock and every shard's lock;
-/// `shards()` yields every shard.
-pub(crate) fn settle<'a, I>(counters: &DeviceCounters, shards: impl Fn() -> I)
-where
+/// Settles every shard's overdrafts. The caller holds the settle lock and the lock of every
+/// engaged shard; `shards()` yields those shards (the others hold no headroom and are at
+/// zero).
+pub(crate) fn settle<'a, I>(
+    counters: &DeviceCounters,
+    unowned: &mut Unowned,
+    shards: impl Fn() -> I,
+) where
     I: Iterator<Item = &'a ShardStats>,
 {
     for shard in shards() {
@@ -350,7 +429,7 @@ where
         if over == 0 {
             continue;
         }
-        shard.raise_top();
+        shard.raise_top_wanted();
         while over != 0 {
             let i = over.trailing_zeros() as usize;
             over &= over - 1;
@@ -358,7 +437,7 @@ where
             if deficit <= 0 {
                 continue;
             }
-            let mut missing = deficit;
+            let mut missing = deficit - unowned.take(i, deficit, false);
             for other in shards() {
                 if missing == 0 {
                     break;
@@ -387,7 +466,12 @@ pub(crate) fn after_settle_unlock() {
 
 /// Sets every limit to its statistic's current value and each peak to the current total.
 /// The caller holds the settle lock and every shard's lock.
-pub(crate) fn reset_peaks(counters: &DeviceCounters, shards: &[&ShardStats]) {
+pub(crate) fn reset_peaks(
+    counters: &DeviceCounters,
+    unowned: &mut Unowned,
+    shards: &[&ShardStats],
+) {
+    unowned.parcels.clear();
     for i in 0..TRACKED {
         let mut total = 0;
         for s in shards {
@@ -400,15 +484,21 @@ pub(crate) fn reset_peaks(counters: &DeviceCounters, shards: &[&ShardStats]) {
     }
     for s in shards {
         s.over.store(0, Relaxed);
+        let holds = s.cells.iter().any(|c| c.current.load(Relaxed) != 0);
+        s.set_engaged(holds);
     }
 }
 
 /// Device-wide statistics state: peaks and the counters of rare events.
 pub(crate) struct DeviceCounters {
-    /// Each peak equals the sum of the shards' limits of its statistic.
+    /// Each peak equals the sum of the shards' limits of its statistic and its unowned
+    /// headroom.
     pub peak: [AtomicI64; TRACKED],
+    /// How many shards are engaged ([`ShardStats::is_engaged`]); shared with every shard,
+    /// which counts itself in when it first passes a limit.
+    pub engaged_shards: Arc<AtomicUsize>,
     /// Taken before shard locks to settle or reset peaks (see the module documentation).
-    pub settle: Mutex<()>,
+    pub settle: Mutex<SettleState>,
     pub num_alloc_retries: AtomicI64,
     pub num_ooms: AtomicI64,
     pub num_sync_all_streams: AtomicI64,
@@ -421,13 +511,60 @@ impl Default for DeviceCounters {
     fn default() -> Self {
         DeviceCounters {
             peak: std::array::from_fn(|_| AtomicI64::new(0)),
-            settle: Mutex::new(()),
+            engaged_shards: Arc::new(AtomicUsize::new(0)),
+            settle: Mutex::new(SettleState::default()),
             num_alloc_retries: AtomicI64::new(0),
             num_ooms: AtomicI64::new(0),
             num_sync_all_streams: AtomicI64::new(0),
             num_device_alloc: AtomicI64::new(0),
             num_device_free: AtomicI64::new(0),
             num_invalid_frees: AtomicI64::new(0),
+        }
+    }
+}
+
+/// What the settle lock guards.
+#[derive(Default)]
+pub(crate) struct SettleState {
+    /// Indices of the shards a settle holds locked (kept to be reused).
+    pub held: Vec<u32>,
+    pub unowned: Unowned,
+}
+
+/// Headroom no shard holds: what emptied shards gave up, one parcel (a value per statistic)
+/// per shard.
+#[derive(Default)]
+pub(crate) struct Unowned {
+    parcels: Vec<[i64; TRACKED]>,
+}
+
+impl Unowned {
+    /// Takes up to `short` of statistic `i`, in the order the parcels were given up (shard
+    /// creation order, so streams created in the same order as before take back what their
+    /// predecessors held); with `whole`, a parcel's whole value of `i` at a time (so possibly
+    /// more). Returns what it took.
+    fn take(&mut self, i: usize, short: i64, whole: bool) -> i64 {
+        let mut taken = 0;
+        for parcel in self.parcels.iter_mut() {
+            if taken >= short {
+                break;
+            }
+            let take = if whole {
+                parcel[i]
+            } else {
+                parcel[i].min(short - taken)
+            };
+            parcel[i] -= take;
+            taken += take;
+        }
+        taken
+    }
+
+    /// Adds a parcel, dropping those that are used up.
+    fn give(&mut self, parcel: [i64; TRACKED]) {
+        self.parcels.retain(|p| p.iter().any(|&v| v != 0));
+        if parcel.iter().any(|&v| v != 0) {
+            self.parcels.push(parcel);
         }
     }
 }
