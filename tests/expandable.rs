@@ -443,6 +443,47 @@ fn the_simulated_driver_unmaps_single_allocations_of_one_mapping_call() {
 }
 
 #[test]
+fn the_simulated_driver_refuses_to_map_over_or_unmap_inside_an_allocation() {
+    use tensoralloc::driver::Driver;
+    let sim = SimDriver::shared(1, 1 << 30).unwrap();
+    let base = sim.vmm_reserve(0, 64 * MIB).unwrap();
+    let mut h = Vec::new();
+    sim.vmm_map_many(0, base + 4 * MIB, 6 * MIB, 6 * MIB, &mut h)
+        .unwrap();
+    let mut more = Vec::new();
+    assert!(
+        sim.vmm_map_many(0, base, 6 * MIB, 2 * MIB, &mut more)
+            .is_err(),
+        "the last page overlaps the allocation"
+    );
+    assert!(
+        sim.vmm_map_many(0, base + 8 * MIB, 2 * MIB, 2 * MIB, &mut more)
+            .is_err(),
+        "inside the allocation"
+    );
+    assert!(
+        sim.vmm_unmap(0, base + 6 * MIB, 4 * MIB, h[0]).is_err(),
+        "from a page inside the allocation"
+    );
+    assert!(
+        sim.vmm_free_range(0, base, 64 * MIB).is_err(),
+        "the range still has a mapping"
+    );
+    assert!(more.is_empty(), "a refused mapping creates nothing");
+    assert_eq!(sim.mapped(0), 6 << 20);
+    sim.vmm_map_many(0, base, 4 * MIB, 2 * MIB, &mut more)
+        .unwrap();
+    sim.vmm_unmap(0, base + 4 * MIB, 6 * MIB, h[0]).unwrap();
+    assert_eq!(sim.mapped(0), 4 << 20);
+    sim.vmm_unmap_many(
+        0,
+        &[(base, 2 * MIB, more[0]), (base + 2 * MIB, 2 * MIB, more[1])],
+    )
+    .unwrap();
+    sim.vmm_free_range(0, base, 64 * MIB).unwrap();
+}
+
+#[test]
 fn the_simulated_driver_maps_kept_allocations_again_elsewhere_and_releases_them() {
     use tensoralloc::driver::Driver;
     let sim = SimDriver::shared(1, 1 << 30).unwrap();

@@ -70,6 +70,12 @@ pub(crate) struct ExpState {
     pub idle_upto: u64,
     /// The event recorded for the latest batch of frees, and the count it covers.
     pub batch: Option<(Event, u64)>,
+    /// Whether no free block known idle holds a whole page, but maybe the one an idle reclaim
+    /// spared: set when an idle reclaim went through every free block, cleared by a growth
+    /// (which maps idle pages) and when more frees become idle. Blocks freed since are not
+    /// idle, and allocating from a block leaves a part of it, so another idle reclaim would
+    /// find nothing until then.
+    pub idle_reclaimed: bool,
     /// [`Layout::prefer_settled`], once the shard has a range.
     pub prefer_settled: bool,
     /// Reused buffers for the handles of one mapping and the mappings of one unmapping, so
@@ -306,7 +312,8 @@ impl ShardInner {
     }
 
     /// Maps memory so that a free block of at least `rounded` bytes exists in an expandable
-    /// segment of `pool`, reserving a range first when none has room. Returns that block (out
+    /// segment of `pool`, reserving a range first when none has room; `start` is what
+    /// [`ShardInner::find_space`] returns, when the caller knows. Returns that block (out
     /// of its free index, still counted as inactive split when it is split, like a block
     /// taken by best fit). Out of memory leaves everything as it was.
     #[allow(clippy::too_many_arguments)]
@@ -317,6 +324,7 @@ impl ShardInner {
         layout: &Layout,
         pool: PoolKind,
         rounded: usize,
+        start: Option<u32>,
         stats: &mut impl StatSink,
         report: &mut Report,
     ) -> Result<u32> {
@@ -327,7 +335,8 @@ impl ShardInner {
                 layout.reserve[p]
             )));
         }
-        let start = match self.find_space(pool, rounded) {
+        self.exp.idle_reclaimed = false;
+        let start = match start.or_else(|| self.find_space(pool, rounded)) {
             Some(s) => s,
             None => {
                 report.reserved = Some(self.reserve_range(driver, device, layout, pool)?);
@@ -510,7 +519,13 @@ impl ShardInner {
         let Some(floor) = self.exp.segments.iter().map(|s| s.page).min() else {
             return Ok(());
         };
+        let idle = matches!(reclaim, Reclaim::Idle { .. });
+        if idle && self.exp.idle_reclaimed {
+            return Ok(());
+        }
         let goal = report.bytes.saturating_add(goal);
+        // Whether every idle free block holding a page is unmapped at the end.
+        let mut complete = true;
         for pool in [PoolKind::Small, PoolKind::Large] {
             // Walks the index by key: unmapping a block only adds smaller ones (its ends).
             let mut key = (floor, 0, 0);
@@ -523,12 +538,21 @@ impl ShardInner {
                 let eligible = b.exp != NONE
                     && match reclaim {
                         Reclaim::All => true,
-                        Reclaim::Idle { keep } => k.2 != keep && b.freed_at <= self.exp.idle_upto,
+                        Reclaim::Idle { .. } => b.freed_at <= self.exp.idle_upto,
                     };
-                if eligible && self.holds_a_page(k.2) {
-                    self.unmap_block(driver, device, k.2, stats, report)?;
+                if !eligible || !self.holds_a_page(k.2) {
+                    continue;
                 }
+                if reclaim == (Reclaim::Idle { keep: k.2 }) {
+                    complete = false;
+                    continue;
+                }
+                self.unmap_block(driver, device, k.2, stats, report)?;
             }
+            complete &= report.bytes < goal;
+        }
+        if idle && complete {
+            self.exp.idle_reclaimed = true;
         }
         Ok(())
     }

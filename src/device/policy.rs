@@ -88,9 +88,11 @@ impl DeviceAllocator {
     ) -> Result<u32> {
         let mut report = Report::new(self.history().on());
         report.spare = std::mem::take(&mut inner.exp.spare);
-        if self.policy == Policy::Compact {
-            self.reclaim_idle(shard, inner, rounded, pool, &mut report.spare);
-        }
+        let start = if self.policy == Policy::Compact {
+            self.reclaim_idle(shard, inner, rounded, pool, &mut report.spare)
+        } else {
+            None
+        };
         // A growth changes several statistics, each of which may pass its limit (reserved
         // bytes above all when they come from other streams' pages): they are only marked
         // here, and settled once with the allocation the growth is for (exact: a marked
@@ -101,6 +103,7 @@ impl DeviceAllocator {
             layout,
             pool,
             rounded,
+            start,
             &mut MarkOnly(&shard.stats),
             &mut report,
         );
@@ -200,6 +203,8 @@ impl DeviceAllocator {
     /// other streams, up to `need` bytes, sparing the free block the growth will extend, and
     /// keeps their physical allocations in `spare` for the growth to map. Never waits:
     /// another stream whose lock is busy, or whose batch event has not completed, is skipped.
+    /// Returns where `shard` grows ([`ShardInner::find_space`]) when nothing of it was
+    /// unmapped, so that the growth need not look again.
     fn reclaim_idle(
         &self,
         shard: &Shard,
@@ -207,16 +212,18 @@ impl DeviceAllocator {
         need: usize,
         pool: PoolKind,
         spare: &mut Vec<(usize, PhysHandle)>,
-    ) {
+    ) -> Option<u32> {
         if self.graph.capturing() {
             // No event may be recorded or queried while a graph is captured.
-            return;
+            return None;
         }
-        let keep = inner
-            .find_space(pool, need)
+        let start = inner.find_space(pool, need);
+        let keep = start
             .filter(|&id| inner.block(id).state == State::Free)
             .unwrap_or(NONE);
         let mut got = self.reclaim_from(shard, inner, need, keep, spare);
+        // Other shards' pages leave this shard's blocks as they are.
+        let start = start.filter(|_| got == 0);
         for other in self.shards.iter() {
             if got >= need {
                 break;
@@ -231,6 +238,7 @@ impl DeviceAllocator {
             }
         }
         // Overdrafts are settled by the caller, after the growth.
+        start
     }
 
     /// Unmaps idle free pages of `shard` (but block `keep`), up to `goal` bytes, keeping
@@ -250,6 +258,9 @@ impl DeviceAllocator {
             return 0;
         }
         self.refresh_idle(shard, inner);
+        if inner.exp.idle_reclaimed {
+            return 0;
+        }
         // Settling peaks now would lock every shard, the growing one included when this is
         // another stream's: overdrafts are only marked, and settled after the growth.
         let mut marks = MarkOnly(&shard.stats);
@@ -283,7 +294,10 @@ impl DeviceAllocator {
         if let Some((event, upto)) = exp.batch {
             match self.driver.event_query(self.device, event) {
                 Ok(false) => return,
-                Ok(true) => exp.idle_upto = exp.idle_upto.max(upto),
+                Ok(true) => {
+                    exp.idle_reclaimed &= upto <= exp.idle_upto;
+                    exp.idle_upto = exp.idle_upto.max(upto);
+                }
                 Err(_) => {}
             }
             exp.batch = None;
@@ -306,6 +320,7 @@ impl DeviceAllocator {
         let upto = exp.frees;
         // On an idle stream the event has completed already.
         if matches!(self.driver.event_query(self.device, event), Ok(true)) {
+            exp.idle_reclaimed = false;
             exp.idle_upto = upto;
             self.events.put(event);
         } else {

@@ -139,46 +139,67 @@ const DEFAULT_ADDRESS_SPACE: u64 = 1 << 46;
 /// [`DeviceState::used`] like ordinary allocations.
 #[derive(Default)]
 struct VmmState {
-    /// Reserved ranges: start -> size.
-    ranges: BTreeMap<u64, u64>,
+    /// Reserved ranges by start address.
+    ranges: BTreeMap<u64, Reservation>,
     reserved: u64,
     /// Next address of an unbacked device's reservations.
     next_unbacked: u64,
-    /// Mapped physical allocations, as runs made by one call: start -> run.
-    by_addr: BTreeMap<u64, Run>,
     next_handle: u64,
     /// Physical allocations unmapped but not released, as (handle, size): a few at a time,
     /// between an unmapping and the growth that maps them again.
     kept: Vec<(u64, u64)>,
 }
 
-/// Physical allocations mapped back to back by one call: `[start, end)` in allocations of
-/// `each` bytes (the last one the rest), numbered from `first`. One entry per call keeps a
-/// growth of many pages as cheap as a growth of one.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Run {
-    end: u64,
-    each: u64,
-    first: u64,
+/// One reserved range and what is mapped in it, page by page of the granularity (a slot per
+/// page, so that mapping and unmapping cost no search whatever was mapped before).
+struct Reservation {
+    size: u64,
+    /// Bytes mapped.
+    mapped: u64,
+    /// Pages from the first granularity-aligned address at or below the start, up to the
+    /// highest page ever mapped (the rest are unmapped).
+    pages: Vec<Page>,
 }
 
-impl VmmState {
-    /// Whether `[addr, addr + size)` lies inside one reserved range.
-    fn reserved(&self, addr: u64, size: u64) -> bool {
-        self.ranges
-            .range(..=addr)
+/// What one page of a reservation holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+enum Page {
+    #[default]
+    Unmapped,
+    /// The first page of physical allocation `handle` of `size` bytes.
+    Head { handle: u64, size: u64 },
+    /// A later page of the allocation mapped at the nearest `Head` below.
+    Tail,
+}
+
+impl Reservation {
+    /// The reservation of `ranges` that holds all of `[addr, addr + size)`, with its start.
+    fn find(
+        ranges: &mut BTreeMap<u64, Reservation>,
+        addr: u64,
+        size: u64,
+    ) -> Option<(u64, &mut Reservation)> {
+        ranges
+            .range_mut(..=addr)
             .next_back()
-            .is_some_and(|(&s, &l)| addr + size <= s + l)
+            .filter(|(&s, r)| addr.checked_add(size).is_some_and(|end| end <= s + r.size))
+            .map(|(&s, r)| (s, r))
     }
 
-    /// Refuses a range any part of which is mapped.
-    fn check_unmapped(&self, addr: u64, size: u64) -> Result<()> {
-        let overlaps = self
-            .by_addr
-            .range(..addr + size)
-            .next_back()
-            .is_some_and(|(_, run)| run.end > addr);
-        if overlaps {
+    /// The index in [`Reservation::pages`] of the page at `addr` (granularity-aligned) of the
+    /// reservation starting at `start`.
+    #[inline]
+    fn page(start: u64, addr: u64) -> usize {
+        let g = SIM_GRANULARITY as u64;
+        ((addr - start / g * g) / g) as usize
+    }
+
+    /// Refuses a range (inside the reservation) any part of which is mapped.
+    fn check_unmapped(&self, start: u64, addr: u64, size: u64) -> Result<()> {
+        let first = Self::page(start, addr);
+        let last = first + size.div_ceil(SIM_GRANULARITY as u64) as usize;
+        let pages = self.pages.get(first..last.min(self.pages.len()));
+        if pages.is_some_and(|p| p.iter().any(|&p| p != Page::Unmapped)) {
             return Err(Error::Driver(format!(
                 "CUDA_ERROR_INVALID_VALUE: [{addr:#x}, +{size}) is already mapped"
             )));
@@ -186,50 +207,42 @@ impl VmmState {
         Ok(())
     }
 
-    /// Unmaps the longest prefix of `maps` whose entries are consecutive allocations of one
-    /// run, keeping the allocations around them. Returns how many it unmapped: 0 when the
-    /// first entry is not exactly an allocation of some run.
-    fn unmap_run(&mut self, maps: &[(usize, usize, PhysHandle)]) -> usize {
-        let Some(&(addr, _, _)) = maps.first() else {
-            return 0;
-        };
-        let addr = addr as u64;
-        let Some((&start, &run)) = self.by_addr.range(..=addr).next_back() else {
-            return 0;
-        };
-        let is_allocation = |a: u64, size: u64, handle: u64| {
-            a < run.end
-                && (a - start).is_multiple_of(run.each)
-                && size == run.each.min(run.end - a)
-                && handle == run.first + (a - start) / run.each
-        };
-        let (mut end, mut n) = (addr, 0);
-        for &(a, size, handle) in maps {
-            let (a, size) = (a as u64, size as u64);
-            if a != end || !is_allocation(a, size, handle.0) {
-                break;
-            }
-            end = a + size;
-            n += 1;
+    /// Records `[addr, addr + size)` (checked unmapped) as mapped by allocations of `each`
+    /// bytes (the last one the rest), numbered from `handle`.
+    #[inline]
+    fn map(&mut self, start: u64, addr: u64, size: u64, each: u64, handle: u64) {
+        let g = SIM_GRANULARITY as u64;
+        let first = Self::page(start, addr);
+        let end = first + size.div_ceil(g) as usize;
+        if self.pages.len() < end {
+            self.pages.resize(end, Page::Unmapped);
         }
-        if n == 0 {
-            return 0;
+        let per = each.div_ceil(g) as usize;
+        let (mut at, mut left, mut handle) = (first, size, handle);
+        for chunk in self.pages[first..end].chunks_mut(per) {
+            let size = each.min(left);
+            chunk[0] = Page::Head { handle, size };
+            chunk[1..].fill(Page::Tail);
+            (at, left, handle) = (at + chunk.len(), left - size, handle + 1);
         }
-        if addr == start {
-            self.by_addr.remove(&start);
-        } else if let Some(before) = self.by_addr.get_mut(&start) {
-            before.end = addr;
+        debug_assert_eq!((at, left), (end, 0));
+        self.mapped += size;
+    }
+
+    /// Unmaps allocation `handle` of `size` bytes at `addr`; false (and nothing changed) when
+    /// that is not what is mapped there.
+    #[inline]
+    fn unmap(&mut self, start: u64, addr: u64, size: u64, handle: u64) -> bool {
+        let first = Self::page(start, addr);
+        if !addr.is_multiple_of(SIM_GRANULARITY as u64)
+            || self.pages.get(first) != Some(&Page::Head { handle, size })
+        {
+            return false;
         }
-        if end < run.end {
-            self.by_addr.insert(
-                end,
-                Run {
-                    first: run.first + (end - start) / run.each,
-                    ..run
-                },
-            );
-        }
-        n
+        let n = size.div_ceil(SIM_GRANULARITY as u64) as usize;
+        self.pages[first..first + n].fill(Page::Unmapped);
+        self.mapped -= size;
+        true
     }
 }
 
@@ -385,7 +398,14 @@ impl SimDevice {
             st.vmm.next_unbacked += size;
             start
         };
-        st.vmm.ranges.insert(start, size);
+        st.vmm.ranges.insert(
+            start,
+            Reservation {
+                size,
+                mapped: 0,
+                pages: Vec::new(),
+            },
+        );
         st.vmm.reserved += size;
         Ok(start as usize)
     }
@@ -393,12 +413,12 @@ impl SimDevice {
     fn vmm_free_range(&self, addr: usize, size: usize) -> Result<()> {
         let (addr, size) = (addr as u64, size as u64);
         let mut st = self.state.lock();
-        if st.vmm.ranges.get(&addr) != Some(&size) {
+        let Some(range) = st.vmm.ranges.get(&addr).filter(|r| r.size == size) else {
             return Err(Error::Driver(format!(
                 "CUDA_ERROR_INVALID_VALUE: [{addr:#x}, +{size}) is not a reserved range"
             )));
-        }
-        if st.vmm.by_addr.range(addr..addr + size).next().is_some() {
+        };
+        if range.mapped != 0 {
             return Err(Error::Driver(format!(
                 "CUDA_ERROR_INVALID_VALUE: the range at {addr:#x} still has mappings"
             )));
@@ -424,20 +444,21 @@ impl SimDevice {
     ) -> Result<()> {
         let (addr, size, handle) = (addr as u64, size as u64, handle as u64);
         let g = SIM_GRANULARITY as u64;
-        let mut st = self.state.lock();
-        let inside = st.vmm.reserved(addr, size);
-        if size == 0
-            || handle == 0
-            || !addr.is_multiple_of(g)
-            || !size.is_multiple_of(g)
-            || !handle.is_multiple_of(g)
-            || !inside
-        {
+        let mut guard = self.state.lock();
+        let st = &mut *guard;
+        let aligned = size != 0
+            && handle != 0
+            && addr.is_multiple_of(g)
+            && size.is_multiple_of(g)
+            && handle.is_multiple_of(g);
+        let Some((start, range)) =
+            Reservation::find(&mut st.vmm.ranges, addr, size).filter(|_| aligned)
+        else {
             return Err(Error::Driver(format!(
                 "CUDA_ERROR_INVALID_VALUE: cannot map [{addr:#x}, +{size}): not a granularity-aligned part of a reserved range"
             )));
-        }
-        st.vmm.check_unmapped(addr, size)?;
+        };
+        range.check_unmapped(start, addr, size)?;
         if st.used + size > self.capacity {
             return Err(Error::OutOfMemory(format!(
                 "simulated device has {} bytes free of {}, {size} requested",
@@ -450,14 +471,7 @@ impl SimDevice {
         let first = st.vmm.next_handle + 1;
         let count = size.div_ceil(handle);
         st.vmm.next_handle += count;
-        st.vmm.by_addr.insert(
-            addr,
-            Run {
-                end: addr + size,
-                each: handle,
-                first,
-            },
-        );
+        range.map(start, addr, size, handle, first);
         handles.extend((first..first + count).map(PhysHandle));
         Ok(())
     }
@@ -465,34 +479,40 @@ impl SimDevice {
     /// Unmaps each mapping of `maps` under one lock, stopping at the first that is not one;
     /// releases their memory, or with `keep` keeps it for [`SimDevice::vmm_map_kept`].
     fn vmm_unmap_many(&self, maps: &[(usize, usize, PhysHandle)], keep: bool) -> Result<()> {
-        let mut st = self.state.lock();
-        let mut done = 0;
-        while done < maps.len() {
-            let n = st.vmm.unmap_run(&maps[done..]);
-            if n == 0 {
-                let (addr, size, handle) = maps[done];
+        let mut guard = self.state.lock();
+        let st = &mut *guard;
+        let vmm = &mut st.vmm;
+        // The reservation of the mapping before, reused while the mappings stay inside it.
+        let mut last: Option<(u64, &mut Reservation)> = None;
+        for &(addr, size, handle) in maps {
+            let (a, len) = (addr as u64, size as u64);
+            let inside = |s: u64, r: &Reservation| a >= s && a.saturating_add(len) <= s + r.size;
+            if !last.as_ref().is_some_and(|(s, r)| inside(*s, r)) {
+                last = Reservation::find(&mut vmm.ranges, a, len);
+            }
+            let unmapped = last
+                .as_mut()
+                .is_some_and(|(s, r)| r.unmap(*s, a, len, handle.0));
+            if !unmapped {
                 return Err(Error::Driver(format!(
                     "CUDA_ERROR_INVALID_VALUE: [{addr:#x}, +{size}) is not mapped by handle {}",
                     handle.0
                 )));
             }
-            for &(addr, size, handle) in &maps[done..done + n] {
-                if keep {
-                    st.vmm.kept.push((handle.0, size as u64));
-                } else {
-                    st.used -= size as u64;
-                }
-                if self.backed {
-                    // SAFETY: the range was mapped read-write by vmm_map_many inside our own
-                    // reservation; dropping its pages and making it inaccessible again
-                    // touches nothing else.
-                    unsafe {
-                        libc::madvise(addr as *mut libc::c_void, size, libc::MADV_DONTNEED);
-                        libc::mprotect(addr as *mut libc::c_void, size, libc::PROT_NONE);
-                    }
+            if keep {
+                vmm.kept.push((handle.0, len));
+            } else {
+                st.used -= len;
+            }
+            if self.backed {
+                // SAFETY: the range was mapped read-write by vmm_map_many inside our own
+                // reservation; dropping its pages and making it inaccessible again touches
+                // nothing else.
+                unsafe {
+                    libc::madvise(addr as *mut libc::c_void, size, libc::MADV_DONTNEED);
+                    libc::mprotect(addr as *mut libc::c_void, size, libc::PROT_NONE);
                 }
             }
-            done += n;
         }
         Ok(())
     }
@@ -527,8 +547,8 @@ impl SimDevice {
         let g = SIM_GRANULARITY as u64;
         let addr = addr as u64;
         let size: u64 = maps.iter().map(|&(l, _)| l as u64).sum();
-        let mut st = self.state.lock();
-        let inside = st.vmm.reserved(addr, size);
+        let mut guard = self.state.lock();
+        let st = &mut *guard;
         // Usually the allocations kept last, in order (an unmapping, then the growth that maps
         // them again): then they are found without a search.
         let is_tail = st.vmm.kept.len() >= maps.len()
@@ -540,13 +560,33 @@ impl SimDevice {
             || maps
                 .iter()
                 .all(|&(l, h)| st.vmm.kept.contains(&(h.0, l as u64)));
-        if size == 0 || !addr.is_multiple_of(g) || !inside || !kept {
+        let found = Reservation::find(&mut st.vmm.ranges, addr, size)
+            .filter(|_| size != 0 && addr.is_multiple_of(g) && kept);
+        let Some((start, range)) = found else {
             return Err(Error::Driver(format!(
                 "CUDA_ERROR_INVALID_VALUE: cannot map kept allocations at [{addr:#x}, +{size}): not kept allocations mapped into a granularity-aligned part of a reserved range"
             )));
-        }
-        st.vmm.check_unmapped(addr, size)?;
+        };
+        range.check_unmapped(start, addr, size)?;
         self.make_accessible(addr, size)?;
+        let (first, end) = (
+            Reservation::page(start, addr),
+            Reservation::page(start, addr + size),
+        );
+        if range.pages.len() < end {
+            range.pages.resize(end, Page::Unmapped);
+        }
+        let mut at = first;
+        for &(l, h) in maps {
+            let n = l.div_ceil(SIM_GRANULARITY);
+            range.pages[at] = Page::Head {
+                handle: h.0,
+                size: l as u64,
+            };
+            range.pages[at + 1..at + n].fill(Page::Tail);
+            at += n;
+        }
+        range.mapped += size;
         if is_tail {
             let left = st.vmm.kept.len() - maps.len();
             st.vmm.kept.truncate(left);
@@ -554,27 +594,6 @@ impl SimDevice {
             st.vmm
                 .kept
                 .retain(|&(h, _)| !maps.iter().any(|&(_, m)| m.0 == h));
-        }
-        // One run per stretch of consecutively numbered allocations of one size.
-        let mut at = addr;
-        let mut rest = maps;
-        while let Some(&(l, h)) = rest.first() {
-            let n = rest
-                .iter()
-                .zip(h.0..)
-                .take_while(|&(&(len, m), want)| len == l && m.0 == want)
-                .count();
-            let end = at + (n * l) as u64;
-            st.vmm.by_addr.insert(
-                at,
-                Run {
-                    end,
-                    each: l as u64,
-                    first: h.0,
-                },
-            );
-            at = end;
-            rest = &rest[n..];
         }
         Ok(())
     }
@@ -600,9 +619,9 @@ impl Drop for SimDevice {
             // SAFETY: the mapping was made in `new` with this base and span and nothing else
             // refers to it once the device is dropped.
             unsafe { libc::munmap(self.base as *mut libc::c_void, self.span as usize) };
-            for (&start, &size) in &self.state.get_mut().vmm.ranges {
+            for (&start, range) in &self.state.get_mut().vmm.ranges {
                 // SAFETY: reservations still listed were made by vmm_reserve and never unmapped.
-                unsafe { libc::munmap(start as *mut libc::c_void, size as usize) };
+                unsafe { libc::munmap(start as *mut libc::c_void, range.size as usize) };
             }
         }
     }
@@ -748,13 +767,7 @@ impl SimDriver {
     /// Bytes of device memory mapped through virtual memory management on `device`.
     pub fn mapped(&self, device: usize) -> u64 {
         self.devices.get(device).map_or(0, |d| {
-            d.state
-                .lock()
-                .vmm
-                .by_addr
-                .iter()
-                .map(|(&a, r)| r.end - a)
-                .sum()
+            d.state.lock().vmm.ranges.values().map(|r| r.mapped).sum()
         })
     }
 
