@@ -326,14 +326,16 @@ impl DeviceAllocator {
             if wanted == 0 {
                 break;
             }
-            // A donor that shows no headroom of what is wanted is not locked. Its counters are
-            // read without its lock, so the look may be stale: a donor skipped wrongly only
-            // sends this settle to `settle_all`, which is exact, and one locked wrongly is
-            // checked again under its lock.
-            if std::ptr::eq(donor, home)
-                || !donor.stats.is_engaged()
-                || !(donor.stats.may_spare(wanted) || donor.stats.is_over())
-            {
+            // A donor that shows no headroom of what is wanted is not locked, and only the
+            // statistics it shows headroom of are taken. Its counters are read without its
+            // lock, so the look may be stale: what is skipped wrongly only sends this settle
+            // to `settle_all`, which is exact, and what is taken is checked again under its
+            // lock.
+            if std::ptr::eq(donor, home) || !donor.stats.is_engaged() {
+                continue;
+            }
+            let offer = donor.stats.spare_of(wanted);
+            if offer == 0 && !donor.stats.is_over() {
                 continue;
             }
             let Some(_donor) = donor.inner.try_lock_memo() else {
@@ -342,7 +344,7 @@ impl DeviceAllocator {
             if donor.stats.is_over() {
                 return false;
             }
-            wanted = home.stats.take_spare(&donor.stats, wanted);
+            wanted = (wanted & !offer) | home.stats.take_spare(&donor.stats, offer);
         }
         home.stats.clear_covered();
         !home.stats.is_over() && !self.shards.iter().any(|s| s.stats.is_over())

@@ -284,6 +284,9 @@ impl ShardStats {
     /// that streams that come back take about what they held before. Returns the statistics
     /// still wanting headroom. The caller holds the settle lock and the shard's lock.
     pub fn take_unowned(&self, unowned: &mut Unowned, wanted: u32) -> u32 {
+        if unowned.parcels.is_empty() {
+            return wanted;
+        }
         self.take_headroom(wanted, |i, short| unowned.take(i, short, true))
     }
 
@@ -326,19 +329,20 @@ impl ShardStats {
         wanted
     }
 
-    /// Whether this shard has unused headroom (limit above current) of a statistic of
-    /// `wanted`: what [`ShardStats::take_spare`] could take from it as a donor.
-    pub fn may_spare(&self, wanted: u32) -> bool {
+    /// The statistics of `wanted` of which this shard has unused headroom (limit above
+    /// current): what [`ShardStats::take_spare`] could take from it as a donor.
+    pub fn spare_of(&self, wanted: u32) -> u32 {
+        let mut offer = 0;
         let mut left = wanted;
         while left != 0 {
             let i = left.trailing_zeros() as usize;
             left &= left - 1;
             let cell = &self.cells[i];
             if cell.limit.load(Relaxed) > cell.current.load(Relaxed) {
-                return true;
+                offer |= 1 << i;
             }
         }
-        false
+        offer
     }
 
     /// Moves unused headroom of `donor` to this shard, for the statistics of `wanted` (from
@@ -365,6 +369,7 @@ impl ShardStats {
     /// For each statistic of `wanted` short of what this shard wants (its `top` or its
     /// need), adds to its limit what `give(statistic, shortfall)` hands over (taken from
     /// elsewhere). Returns the statistics still short.
+    #[inline(always)]
     fn take_headroom(&self, wanted: u32, mut give: impl FnMut(usize, i64) -> i64) -> u32 {
         let mut still = 0;
         let mut left = wanted;
