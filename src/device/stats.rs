@@ -25,8 +25,8 @@
 //! A shard's limit never passes what it needed at some settle, so streams that each hold
 //! steady stop settling after their first rounds.
 //!
-//! Headroom of shards that hold nothing goes to the device's unowned headroom
-//! ([`DeviceCounters`]' `spare`) when the cache is emptied, so a later settle takes it without
+//! Headroom of shards that hold nothing goes to the device's unowned headroom ([`Unowned`],
+//! guarded by the settle lock) when the cache is emptied, so a later settle takes it without
 //! locking anyone, and such shards are no longer *engaged*: a settle neither locks nor reads
 //! them. Every peak is the sum of its statistic's limits and its unowned headroom.
 //!
