@@ -35,8 +35,7 @@ use capi_work::{device_pair, glibc_pair, host_pair, populate_device, populate_ho
 use common::{in_threads, thread_cpu};
 use tensoralloc::capi::device::{tensoralloc_empty_cache, tensoralloc_free, tensoralloc_malloc};
 use tensoralloc::capi::tensoralloc_last_error;
-use tensoralloc::device::history::Action;
-use tensoralloc::replay::snapshot;
+use tensoralloc::replay::snapshot::{self, TraceCall};
 
 /// Nanoseconds per call of `f` over `n` calls: wall clock and the thread's CPU time.
 fn ns_per(n: u64, f: impl Fn()) -> (f64, f64) {
@@ -191,24 +190,7 @@ fn replay() {
         };
         // The calls, with the trace's addresses resolved to slots beforehand so the timed
         // loop does nothing but call.
-        let mut slots: HashMap<u64, usize> = HashMap::new();
-        let mut ops: Vec<(bool, usize, usize, u64)> = Vec::new();
-        let mut used = 0;
-        for e in &trace.events {
-            match e.action {
-                Action::Alloc => {
-                    slots.insert(e.addr, used);
-                    ops.push((true, used, e.size as usize, e.stream));
-                    used += 1;
-                }
-                Action::FreeCompleted => {
-                    if let Some(slot) = slots.remove(&e.addr) {
-                        ops.push((false, slot, 0, 0));
-                    }
-                }
-                _ => {}
-            }
-        }
+        let (ops, used) = trace.calls();
         let calls = ops.len() as u64;
         let mut best = f64::INFINITY;
         for round in 0..3 {
@@ -217,16 +199,23 @@ fn replay() {
             let mut ptrs: Vec<(*mut c_void, u64)> = vec![(std::ptr::null_mut(), 0); used];
             let mut failed = 0u64;
             let t = thread_cpu();
-            for &(alloc, slot, size, s) in &ops {
-                if alloc {
-                    let s = base + s;
-                    let p = tensoralloc_malloc(size, 0, stream(s as usize));
-                    failed += (p.is_null() && size > 0) as u64;
-                    ptrs[slot] = (p, s);
-                } else {
-                    let (p, s) = ptrs[slot];
-                    tensoralloc_free(p, 0, 0, stream(s as usize));
-                    ptrs[slot].0 = std::ptr::null_mut();
+            for &op in &ops {
+                match op {
+                    TraceCall::Malloc {
+                        slot,
+                        size,
+                        stream: s,
+                    } => {
+                        let s = base + s;
+                        let p = tensoralloc_malloc(size, 0, stream(s as usize));
+                        failed += (p.is_null() && size > 0) as u64;
+                        ptrs[slot] = (p, s);
+                    }
+                    TraceCall::Free { slot } => {
+                        let (p, s) = ptrs[slot];
+                        tensoralloc_free(p, 0, 0, stream(s as usize));
+                        ptrs[slot].0 = std::ptr::null_mut();
+                    }
                 }
             }
             best = best.min((thread_cpu() - t).as_nanos() as f64);

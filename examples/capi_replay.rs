@@ -8,27 +8,12 @@
 //! calls made, to divide the instruction count by). The simulated device has 16 GiB unless
 //! `TENSORALLOC_SIM_MEMORY` says otherwise: valgrind cannot reserve the benchmark's 256 GiB.
 
-use std::collections::HashMap;
 use std::ffi::c_void;
 use std::path::PathBuf;
 
 use tensoralloc::capi::device::{tensoralloc_empty_cache, tensoralloc_free, tensoralloc_malloc};
 use tensoralloc::capi::CUstream_st;
-use tensoralloc::device::history::Action;
-use tensoralloc::replay::snapshot;
-
-/// A call: allocate `size` bytes into a slot on a stream, or free a slot.
-#[derive(Clone, Copy)]
-enum Call {
-    Malloc {
-        slot: usize,
-        size: usize,
-        stream: u64,
-    },
-    Free {
-        slot: usize,
-    },
-}
+use tensoralloc::replay::snapshot::{self, TraceCall as Call};
 
 /// The measured round (`--toggle-collect='*replay_calls'`).
 #[inline(never)]
@@ -80,29 +65,7 @@ fn main() {
         })
         .unwrap_or_else(|| panic!("no trace named like {want:?}"));
     let trace = snapshot::load(&file, 0).expect("trace");
-    let mut slots: HashMap<u64, usize> = HashMap::new();
-    let mut calls = Vec::new();
-    let mut used = 0;
-    for e in &trace.events {
-        match e.action {
-            Action::Alloc => {
-                let slot = used;
-                used += 1;
-                slots.insert(e.addr, slot);
-                calls.push(Call::Malloc {
-                    slot,
-                    size: e.size as usize,
-                    stream: e.stream,
-                });
-            }
-            Action::FreeCompleted => {
-                if let Some(slot) = slots.remove(&e.addr) {
-                    calls.push(Call::Free { slot });
-                }
-            }
-            _ => {}
-        }
-    }
+    let (calls, used) = trace.calls();
     for round in 0..rounds {
         let base = (round + 1) << 32;
         let mut ptrs = vec![(std::ptr::null_mut(), 0); used];

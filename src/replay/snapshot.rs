@@ -103,6 +103,50 @@ impl Trace {
     pub fn count(&self, action: Action) -> usize {
         self.events.iter().filter(|e| e.action == action).count()
     }
+
+    /// The trace's allocations and frees as calls a program makes, with each allocation's
+    /// address replaced by a slot number (the slots used are `0..` the second value), so that
+    /// a replay does nothing but call. Frees of blocks allocated before the trace started
+    /// are left out.
+    pub fn calls(&self) -> (Vec<TraceCall>, usize) {
+        let mut slots = std::collections::HashMap::new();
+        let mut calls = Vec::new();
+        let mut used = 0;
+        for e in &self.events {
+            match e.action {
+                Action::Alloc => {
+                    let slot = used;
+                    used += 1;
+                    slots.insert(e.addr, slot);
+                    calls.push(TraceCall::Malloc {
+                        slot,
+                        size: e.size as usize,
+                        stream: e.stream,
+                    });
+                }
+                Action::FreeCompleted => {
+                    if let Some(slot) = slots.remove(&e.addr) {
+                        calls.push(TraceCall::Free { slot });
+                    }
+                }
+                _ => {}
+            }
+        }
+        (calls, used)
+    }
+}
+
+/// An allocation or free of [`Trace::calls`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TraceCall {
+    /// Allocate `size` bytes on `stream` into `slot`.
+    Malloc {
+        slot: usize,
+        size: usize,
+        stream: u64,
+    },
+    /// Free the allocation in `slot`.
+    Free { slot: usize },
 }
 
 #[derive(Deserialize)]
@@ -313,4 +357,61 @@ fn initial_state(segments: &[RawSegment], events: &[TraceEvent]) -> (Vec<Initial
         s.live.sort_by_key(|b| b.addr);
     }
     (out, orphans)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn event(action: Action, addr: u64, size: u64, stream: u64) -> TraceEvent {
+        TraceEvent {
+            action,
+            addr,
+            size,
+            stream,
+        }
+    }
+
+    /// Allocations take new slots in order, a free names its allocation's slot (also when the
+    /// address comes back later), and only completed frees of blocks the trace allocated count.
+    #[test]
+    fn calls_name_allocations_by_slot() {
+        let trace = Trace {
+            events: vec![
+                event(Action::Alloc, 0x1000, 512, 7),
+                event(Action::SegmentAlloc, 0x1000, 2 << 20, 7),
+                event(Action::Alloc, 0x2000, 1024, 8),
+                event(Action::FreeRequested, 0x1000, 512, 7),
+                event(Action::FreeCompleted, 0x1000, 512, 7),
+                event(Action::FreeCompleted, 0x9000, 512, 7),
+                event(Action::Alloc, 0x1000, 512, 7),
+                event(Action::FreeCompleted, 0x1000, 512, 7),
+            ],
+            ..Trace::default()
+        };
+        let (calls, used) = trace.calls();
+        assert_eq!(used, 3);
+        assert_eq!(
+            calls,
+            [
+                TraceCall::Malloc {
+                    slot: 0,
+                    size: 512,
+                    stream: 7
+                },
+                TraceCall::Malloc {
+                    slot: 1,
+                    size: 1024,
+                    stream: 8
+                },
+                TraceCall::Free { slot: 0 },
+                TraceCall::Malloc {
+                    slot: 2,
+                    size: 512,
+                    stream: 7
+                },
+                TraceCall::Free { slot: 2 },
+            ]
+        );
+    }
 }

@@ -9,8 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use crate::support::{cc, fetched_dir as fetched, root, run};
-use tensoralloc::device::history::Action;
-use tensoralloc::replay::snapshot;
+use tensoralloc::replay::snapshot::{self, TraceCall};
 
 /// The directory holding the `libtensoralloc.so` that cargo built with the running test or
 /// bench (`target/<profile>/deps`; the copy one level up is only refreshed by `cargo build`).
@@ -122,23 +121,12 @@ pub fn traces() -> Vec<PathBuf> {
 /// Returns the file.
 pub fn write_ops(trace: &Path, dir: &Path) -> PathBuf {
     let t = snapshot::load(trace, 0).unwrap_or_else(|e| panic!("{}: {e}", trace.display()));
-    let mut slots = std::collections::HashMap::new();
-    let mut used = 0usize;
     let mut text = format!("# events {}\n", t.events.len());
-    for e in &t.events {
-        match e.action {
-            Action::Alloc => {
-                slots.insert(e.addr, used);
-                text += &format!("a {used} {} {}\n", e.size, e.stream);
-                used += 1;
-            }
-            Action::FreeCompleted => {
-                if let Some(slot) = slots.remove(&e.addr) {
-                    text += &format!("f {slot}\n");
-                }
-            }
-            _ => {}
-        }
+    for call in t.calls().0 {
+        text += &match call {
+            TraceCall::Malloc { slot, size, stream } => format!("a {slot} {size} {stream}\n"),
+            TraceCall::Free { slot } => format!("f {slot}\n"),
+        };
     }
     let name = trace.file_name().unwrap().to_string_lossy();
     let out = dir.join(name.trim_end_matches(".pickle.gz").to_string() + ".ops");
