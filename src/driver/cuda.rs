@@ -216,8 +216,8 @@ fn map_handles(
             if at >= upto {
                 break;
             }
-            // SAFETY: [at, at + len) was mapped by this call.
-            unsafe { sys::cuMemUnmap(at as sys::CUdeviceptr, len) };
+            // [at, at + len) was mapped by this call; an error leaves it mapped.
+            let _ = unmap(at, len);
             at += len;
         }
         e
@@ -256,6 +256,26 @@ fn set_access(prop: &sys::CUmemAllocationProp, addr: usize, size: usize) -> Resu
     check(
         unsafe { sys::cuMemSetAccess(addr as sys::CUdeviceptr, size, &desc, 1) },
         &format!("cuMemSetAccess({addr:#x}, {size})"),
+    )
+}
+
+/// Unmaps `[addr, addr + size)` (`cuMemUnmap`), leaving its physical allocation alive. The
+/// caller runs in the device's context.
+fn unmap(addr: usize, size: usize) -> Result<()> {
+    // SAFETY: the driver validates the range; VMM symbols exist (checked by `vmm_prop`).
+    check(
+        unsafe { sys::cuMemUnmap(addr as sys::CUdeviceptr, size) },
+        &format!("cuMemUnmap({addr:#x}, {size})"),
+    )
+}
+
+/// Gives physical allocation `handle`, mapped nowhere, back to the driver (`cuMemRelease`).
+/// The caller runs in the device's context.
+fn release(handle: PhysHandle) -> Result<()> {
+    // SAFETY: the driver validates the handle; VMM symbols exist (checked by `vmm_prop`).
+    check(
+        unsafe { sys::cuMemRelease(handle.0 as sys::CUmemGenericAllocationHandle) },
+        "cuMemRelease",
     )
 }
 
@@ -836,10 +856,10 @@ impl Driver for CudaDriver {
         }
         self.in_device(device, || {
             // Releases allocations this call created and that are mapped nowhere.
-            let release = |made: &[(usize, PhysHandle)]| {
+            // Each was created by this call and is mapped nowhere; an error only leaks it.
+            let release_all = |made: &[(usize, PhysHandle)]| {
                 for &(_, h) in made {
-                    // SAFETY: each handle was created by this call and is not mapped.
-                    unsafe { sys::cuMemRelease(h.0 as sys::CUmemGenericAllocationHandle) };
+                    let _ = release(h);
                 }
             };
             let mut made = Vec::with_capacity(size.div_ceil(handle));
@@ -858,14 +878,14 @@ impl Driver for CudaDriver {
                     check(r, &format!("cuMemCreate of {len} bytes"))
                 };
                 if let Err(e) = created {
-                    release(&made);
+                    release_all(&made);
                     return Err(e);
                 }
                 made.push((len, PhysHandle(h)));
                 at += len;
             }
             if let Err(e) = map_handles(&prop, addr, &made) {
-                release(&made);
+                release_all(&made);
                 return Err(e);
             }
             handles.extend(made.into_iter().map(|(_, h)| h));
@@ -876,14 +896,9 @@ impl Driver for CudaDriver {
     fn vmm_unmap_keep(&self, device: usize, maps: &[(usize, usize, PhysHandle)]) -> Result<()> {
         self.vmm_prop(device)?;
         self.in_device(device, || {
-            maps.iter().try_for_each(|&(addr, size, _)| {
-                // SAFETY: the driver validates the range; VMM symbols exist. The physical
-                // allocation stays alive (it is released only by `vmm_release`).
-                check(
-                    unsafe { sys::cuMemUnmap(addr as sys::CUdeviceptr, size) },
-                    &format!("cuMemUnmap({addr:#x}, {size})"),
-                )
-            })
+            // The physical allocations stay alive (released only by `vmm_release`).
+            maps.iter()
+                .try_for_each(|&(addr, size, _)| unmap(addr, size))
         })
     }
 
@@ -894,28 +909,12 @@ impl Driver for CudaDriver {
 
     fn vmm_release(&self, device: usize, handle: PhysHandle) -> Result<()> {
         self.vmm_prop(device)?;
-        self.in_device(device, || {
-            // SAFETY: the driver validates the handle; it is no longer mapped anywhere.
-            check(
-                unsafe { sys::cuMemRelease(handle.0 as sys::CUmemGenericAllocationHandle) },
-                "cuMemRelease",
-            )
-        })
+        self.in_device(device, || release(handle))
     }
 
     fn vmm_unmap(&self, device: usize, addr: usize, size: usize, handle: PhysHandle) -> Result<()> {
         self.vmm_prop(device)?;
-        self.in_device(device, || {
-            // SAFETY: the driver validates the range and the handle; VMM symbols exist.
-            check(
-                unsafe { sys::cuMemUnmap(addr as sys::CUdeviceptr, size) },
-                &format!("cuMemUnmap({addr:#x}, {size})"),
-            )?;
-            // SAFETY: as above; the handle's only mapping is gone.
-            check(
-                unsafe { sys::cuMemRelease(handle.0 as sys::CUmemGenericAllocationHandle) },
-                "cuMemRelease",
-            )
-        })
+        // The handle's only mapping goes first, then the allocation.
+        self.in_device(device, || unmap(addr, size).and_then(|()| release(handle)))
     }
 }
