@@ -496,7 +496,6 @@ impl ShardInner {
             at += len;
         }
         self.exp.made = made;
-        let seg = &mut self.exp.segments[exp];
         seg.mapped += want;
         stats.both(StatKind::ReservedBytes, pool, want as i64);
         report.range(true, addr, want);
