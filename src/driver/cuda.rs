@@ -189,7 +189,9 @@ pub(crate) fn error_text(code: CUresult) -> String {
 }
 
 /// `Ok` for `CUDA_SUCCESS`, otherwise a driver error naming the call and the driver's error.
-fn check(code: CUresult, call: &str) -> Result<()> {
+/// `call` is formatted only on error (pass `format_args!`), so that a successful driver call
+/// allocates nothing.
+fn check(code: CUresult, call: impl std::fmt::Display) -> Result<()> {
     if code == CUresult::CUDA_SUCCESS {
         Ok(())
     } else {
@@ -235,7 +237,7 @@ fn map_handles(
                     0,
                 )
             },
-            &format!("cuMemMap({at:#x}, {len})"),
+            format_args!("cuMemMap({at:#x}, {len})"),
         );
         if let Err(e) = mapped {
             return Err(undo(at, e));
@@ -255,7 +257,7 @@ fn set_access(prop: &sys::CUmemAllocationProp, addr: usize, size: usize) -> Resu
     // SAFETY: one valid access descriptor; the driver validates the range.
     check(
         unsafe { sys::cuMemSetAccess(addr as sys::CUdeviceptr, size, &desc, 1) },
-        &format!("cuMemSetAccess({addr:#x}, {size})"),
+        format_args!("cuMemSetAccess({addr:#x}, {size})"),
     )
 }
 
@@ -265,7 +267,7 @@ fn unmap(addr: usize, size: usize) -> Result<()> {
     // SAFETY: the driver validates the range; VMM symbols exist (checked by `vmm_prop`).
     check(
         unsafe { sys::cuMemUnmap(addr as sys::CUdeviceptr, size) },
-        &format!("cuMemUnmap({addr:#x}, {size})"),
+        format_args!("cuMemUnmap({addr:#x}, {size})"),
     )
 }
 
@@ -616,7 +618,7 @@ impl Driver for CudaDriver {
                     error_text(r)
                 )));
             }
-            check(r, &format!("cuMemAlloc of {size} bytes"))?;
+            check(r, format_args!("cuMemAlloc of {size} bytes"))?;
             Ok(ptr as usize)
         })
     }
@@ -626,7 +628,7 @@ impl Driver for CudaDriver {
             // SAFETY: the driver validates the address; the device's context is current.
             check(
                 unsafe { sys::cuMemFree_v2(ptr as sys::CUdeviceptr) },
-                &format!("cuMemFree({ptr:#x})"),
+                format_args!("cuMemFree({ptr:#x})"),
             )
         })
     }
@@ -706,7 +708,7 @@ impl Driver for CudaDriver {
             // The legacy stream of a thread with no current context: device 0.
             return Ok(0);
         }
-        check(r, &format!("cuStreamGetCtx({stream:#x})"))?;
+        check(r, format_args!("cuStreamGetCtx({stream:#x})"))?;
         self.context_device(Context(ctx))
     }
 
@@ -732,7 +734,7 @@ impl Driver for CudaDriver {
             // SAFETY: a valid out-pointer; the driver validates the stream handle.
             unsafe { sys::cuStreamIsCapturing(h, &mut status) }
         };
-        check(r, &format!("cuStreamGetCaptureInfo({stream:#x})"))?;
+        check(r, format_args!("cuStreamGetCaptureInfo({stream:#x})"))?;
         // An invalidated capture is still a capture until it ends: the same calls stay illegal.
         Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
     }
@@ -748,7 +750,7 @@ impl Driver for CudaDriver {
                     error_text(r)
                 )));
             }
-            check(r, &format!("cuMemHostAlloc of {size} bytes"))?;
+            check(r, format_args!("cuMemHostAlloc of {size} bytes"))?;
             Ok(p as usize)
         })
     }
@@ -758,7 +760,7 @@ impl Driver for CudaDriver {
             // SAFETY: the driver validates the pointer.
             check(
                 unsafe { sys::cuMemFreeHost(ptr as *mut c_void) },
-                &format!("cuMemFreeHost({ptr:#x})"),
+                format_args!("cuMemFreeHost({ptr:#x})"),
             )
         })
     }
@@ -773,7 +775,7 @@ impl Driver for CudaDriver {
                     sys::CU_MEMHOSTREGISTER_PORTABLE,
                 )
             };
-            check(r, &format!("cuMemHostRegister({ptr:#x}, {size})"))
+            check(r, format_args!("cuMemHostRegister({ptr:#x}, {size})"))
         })
     }
 
@@ -782,7 +784,7 @@ impl Driver for CudaDriver {
             // SAFETY: the driver validates the pointer.
             check(
                 unsafe { sys::cuMemHostUnregister(ptr as *mut c_void) },
-                &format!("cuMemHostUnregister({ptr:#x})"),
+                format_args!("cuMemHostUnregister({ptr:#x})"),
             )
         })
     }
@@ -824,7 +826,7 @@ impl Driver for CudaDriver {
                     error_text(r)
                 )));
             }
-            check(r, &format!("cuMemAddressReserve of {size} bytes"))?;
+            check(r, format_args!("cuMemAddressReserve of {size} bytes"))?;
             Ok(ptr as usize)
         })
     }
@@ -835,7 +837,7 @@ impl Driver for CudaDriver {
             // SAFETY: the driver validates the range; VMM symbols exist.
             check(
                 unsafe { sys::cuMemAddressFree(addr as sys::CUdeviceptr, size) },
-                &format!("cuMemAddressFree({addr:#x}, {size})"),
+                format_args!("cuMemAddressFree({addr:#x}, {size})"),
             )
         })
     }
@@ -875,7 +877,7 @@ impl Driver for CudaDriver {
                         error_text(r)
                     )))
                 } else {
-                    check(r, &format!("cuMemCreate of {len} bytes"))
+                    check(r, format_args!("cuMemCreate of {len} bytes"))
                 };
                 if let Err(e) = created {
                     release_all(&made);
