@@ -496,7 +496,6 @@ impl ShardInner {
             at += len;
         }
         self.exp.made = made;
-        let seg = &mut self.exp.segments[exp];
         seg.mapped += want;
         stats.both(StatKind::ReservedBytes, pool, want as i64);
         report.range(true, addr, want);
@@ -505,7 +504,8 @@ impl ShardInner {
 
     /// Unmaps whole physical allocations inside free blocks of expandable segments, smallest
     /// block first, until `goal` bytes are unmapped, adding what it did to `report` (which
-    /// counts only what this call unmaps toward `goal`).
+    /// counts only what this call unmaps toward `goal`). An idle reclaim that leaves no idle
+    /// page to unmap sets [`ExpState::idle_reclaimed`], for its caller to skip the next ones.
     pub fn unmap_free(
         &mut self,
         driver: &dyn Driver,
@@ -520,9 +520,6 @@ impl ShardInner {
             return Ok(());
         };
         let idle = matches!(reclaim, Reclaim::Idle { .. });
-        if idle && self.exp.idle_reclaimed {
-            return Ok(());
-        }
         let goal = report.bytes.saturating_add(goal);
         // Whether every idle free block holding a page is unmapped at the end.
         let mut complete = true;

@@ -108,16 +108,16 @@ impl DeviceAllocator {
             .max(0) as u64;
         if self.layout.is_some() {
             // Expandable segments: unmap this stream's free pages before growing past it.
-            if reserved + want as u64 > threshold {
-                let excess = (reserved + want as u64 - threshold) as usize;
+            let excess = (reserved + want as u64).saturating_sub(threshold) as usize;
+            if excess > 0 {
                 let _ = self.release_expandable(shard, inner, excess);
             }
             return;
         }
-        if reserved <= threshold {
-            return;
+        let excess = reserved.saturating_sub(threshold) as usize;
+        if excess > 0 {
+            self.collect_segments(shard, inner, excess);
         }
-        self.collect_segments(shard, inner, (reserved - threshold) as usize);
     }
 
     /// PyTorch's collection passes over the whole free large segments of every stream, until

@@ -258,6 +258,7 @@ impl DeviceAllocator {
             return 0;
         }
         self.refresh_idle(shard, inner);
+        // The last idle reclaim left nothing idle to unmap, and nothing became idle since.
         if inner.exp.idle_reclaimed {
             return 0;
         }

@@ -189,7 +189,9 @@ pub(crate) fn error_text(code: CUresult) -> String {
 }
 
 /// `Ok` for `CUDA_SUCCESS`, otherwise a driver error naming the call and the driver's error.
-fn check(code: CUresult, call: &str) -> Result<()> {
+/// `call` is formatted only on error (pass `format_args!`), so that a successful driver call
+/// allocates nothing.
+fn check(code: CUresult, call: impl std::fmt::Display) -> Result<()> {
     if code == CUresult::CUDA_SUCCESS {
         Ok(())
     } else {
@@ -216,8 +218,8 @@ fn map_handles(
             if at >= upto {
                 break;
             }
-            // SAFETY: [at, at + len) was mapped by this call.
-            unsafe { sys::cuMemUnmap(at as sys::CUdeviceptr, len) };
+            // [at, at + len) was mapped by this call; an error leaves it mapped.
+            let _ = unmap(at, len);
             at += len;
         }
         e
@@ -235,7 +237,7 @@ fn map_handles(
                     0,
                 )
             },
-            &format!("cuMemMap({at:#x}, {len})"),
+            format_args!("cuMemMap({at:#x}, {len})"),
         );
         if let Err(e) = mapped {
             return Err(undo(at, e));
@@ -255,7 +257,27 @@ fn set_access(prop: &sys::CUmemAllocationProp, addr: usize, size: usize) -> Resu
     // SAFETY: one valid access descriptor; the driver validates the range.
     check(
         unsafe { sys::cuMemSetAccess(addr as sys::CUdeviceptr, size, &desc, 1) },
-        &format!("cuMemSetAccess({addr:#x}, {size})"),
+        format_args!("cuMemSetAccess({addr:#x}, {size})"),
+    )
+}
+
+/// Unmaps `[addr, addr + size)` (`cuMemUnmap`), leaving its physical allocation alive. The
+/// caller runs in the device's context.
+fn unmap(addr: usize, size: usize) -> Result<()> {
+    // SAFETY: the driver validates the range; VMM symbols exist (checked by `vmm_prop`).
+    check(
+        unsafe { sys::cuMemUnmap(addr as sys::CUdeviceptr, size) },
+        format_args!("cuMemUnmap({addr:#x}, {size})"),
+    )
+}
+
+/// Gives physical allocation `handle`, mapped nowhere, back to the driver (`cuMemRelease`).
+/// The caller runs in the device's context.
+fn release(handle: PhysHandle) -> Result<()> {
+    // SAFETY: the driver validates the handle; VMM symbols exist (checked by `vmm_prop`).
+    check(
+        unsafe { sys::cuMemRelease(handle.0 as sys::CUmemGenericAllocationHandle) },
+        "cuMemRelease",
     )
 }
 
@@ -596,7 +618,7 @@ impl Driver for CudaDriver {
                     error_text(r)
                 )));
             }
-            check(r, &format!("cuMemAlloc of {size} bytes"))?;
+            check(r, format_args!("cuMemAlloc of {size} bytes"))?;
             Ok(ptr as usize)
         })
     }
@@ -606,7 +628,7 @@ impl Driver for CudaDriver {
             // SAFETY: the driver validates the address; the device's context is current.
             check(
                 unsafe { sys::cuMemFree_v2(ptr as sys::CUdeviceptr) },
-                &format!("cuMemFree({ptr:#x})"),
+                format_args!("cuMemFree({ptr:#x})"),
             )
         })
     }
@@ -686,7 +708,7 @@ impl Driver for CudaDriver {
             // The legacy stream of a thread with no current context: device 0.
             return Ok(0);
         }
-        check(r, &format!("cuStreamGetCtx({stream:#x})"))?;
+        check(r, format_args!("cuStreamGetCtx({stream:#x})"))?;
         self.context_device(Context(ctx))
     }
 
@@ -712,7 +734,7 @@ impl Driver for CudaDriver {
             // SAFETY: a valid out-pointer; the driver validates the stream handle.
             unsafe { sys::cuStreamIsCapturing(h, &mut status) }
         };
-        check(r, &format!("cuStreamGetCaptureInfo({stream:#x})"))?;
+        check(r, format_args!("cuStreamGetCaptureInfo({stream:#x})"))?;
         // An invalidated capture is still a capture until it ends: the same calls stay illegal.
         Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
     }
@@ -728,7 +750,7 @@ impl Driver for CudaDriver {
                     error_text(r)
                 )));
             }
-            check(r, &format!("cuMemHostAlloc of {size} bytes"))?;
+            check(r, format_args!("cuMemHostAlloc of {size} bytes"))?;
             Ok(p as usize)
         })
     }
@@ -738,7 +760,7 @@ impl Driver for CudaDriver {
             // SAFETY: the driver validates the pointer.
             check(
                 unsafe { sys::cuMemFreeHost(ptr as *mut c_void) },
-                &format!("cuMemFreeHost({ptr:#x})"),
+                format_args!("cuMemFreeHost({ptr:#x})"),
             )
         })
     }
@@ -753,7 +775,7 @@ impl Driver for CudaDriver {
                     sys::CU_MEMHOSTREGISTER_PORTABLE,
                 )
             };
-            check(r, &format!("cuMemHostRegister({ptr:#x}, {size})"))
+            check(r, format_args!("cuMemHostRegister({ptr:#x}, {size})"))
         })
     }
 
@@ -762,7 +784,7 @@ impl Driver for CudaDriver {
             // SAFETY: the driver validates the pointer.
             check(
                 unsafe { sys::cuMemHostUnregister(ptr as *mut c_void) },
-                &format!("cuMemHostUnregister({ptr:#x})"),
+                format_args!("cuMemHostUnregister({ptr:#x})"),
             )
         })
     }
@@ -804,7 +826,7 @@ impl Driver for CudaDriver {
                     error_text(r)
                 )));
             }
-            check(r, &format!("cuMemAddressReserve of {size} bytes"))?;
+            check(r, format_args!("cuMemAddressReserve of {size} bytes"))?;
             Ok(ptr as usize)
         })
     }
@@ -815,7 +837,7 @@ impl Driver for CudaDriver {
             // SAFETY: the driver validates the range; VMM symbols exist.
             check(
                 unsafe { sys::cuMemAddressFree(addr as sys::CUdeviceptr, size) },
-                &format!("cuMemAddressFree({addr:#x}, {size})"),
+                format_args!("cuMemAddressFree({addr:#x}, {size})"),
             )
         })
     }
@@ -836,10 +858,10 @@ impl Driver for CudaDriver {
         }
         self.in_device(device, || {
             // Releases allocations this call created and that are mapped nowhere.
-            let release = |made: &[(usize, PhysHandle)]| {
+            // Each was created by this call and is mapped nowhere; an error only leaks it.
+            let release_all = |made: &[(usize, PhysHandle)]| {
                 for &(_, h) in made {
-                    // SAFETY: each handle was created by this call and is not mapped.
-                    unsafe { sys::cuMemRelease(h.0 as sys::CUmemGenericAllocationHandle) };
+                    let _ = release(h);
                 }
             };
             let mut made = Vec::with_capacity(size.div_ceil(handle));
@@ -855,17 +877,17 @@ impl Driver for CudaDriver {
                         error_text(r)
                     )))
                 } else {
-                    check(r, &format!("cuMemCreate of {len} bytes"))
+                    check(r, format_args!("cuMemCreate of {len} bytes"))
                 };
                 if let Err(e) = created {
-                    release(&made);
+                    release_all(&made);
                     return Err(e);
                 }
                 made.push((len, PhysHandle(h)));
                 at += len;
             }
             if let Err(e) = map_handles(&prop, addr, &made) {
-                release(&made);
+                release_all(&made);
                 return Err(e);
             }
             handles.extend(made.into_iter().map(|(_, h)| h));
@@ -876,14 +898,9 @@ impl Driver for CudaDriver {
     fn vmm_unmap_keep(&self, device: usize, maps: &[(usize, usize, PhysHandle)]) -> Result<()> {
         self.vmm_prop(device)?;
         self.in_device(device, || {
-            maps.iter().try_for_each(|&(addr, size, _)| {
-                // SAFETY: the driver validates the range; VMM symbols exist. The physical
-                // allocation stays alive (it is released only by `vmm_release`).
-                check(
-                    unsafe { sys::cuMemUnmap(addr as sys::CUdeviceptr, size) },
-                    &format!("cuMemUnmap({addr:#x}, {size})"),
-                )
-            })
+            // The physical allocations stay alive (released only by `vmm_release`).
+            maps.iter()
+                .try_for_each(|&(addr, size, _)| unmap(addr, size))
         })
     }
 
@@ -894,28 +911,12 @@ impl Driver for CudaDriver {
 
     fn vmm_release(&self, device: usize, handle: PhysHandle) -> Result<()> {
         self.vmm_prop(device)?;
-        self.in_device(device, || {
-            // SAFETY: the driver validates the handle; it is no longer mapped anywhere.
-            check(
-                unsafe { sys::cuMemRelease(handle.0 as sys::CUmemGenericAllocationHandle) },
-                "cuMemRelease",
-            )
-        })
+        self.in_device(device, || release(handle))
     }
 
     fn vmm_unmap(&self, device: usize, addr: usize, size: usize, handle: PhysHandle) -> Result<()> {
         self.vmm_prop(device)?;
-        self.in_device(device, || {
-            // SAFETY: the driver validates the range and the handle; VMM symbols exist.
-            check(
-                unsafe { sys::cuMemUnmap(addr as sys::CUdeviceptr, size) },
-                &format!("cuMemUnmap({addr:#x}, {size})"),
-            )?;
-            // SAFETY: as above; the handle's only mapping is gone.
-            check(
-                unsafe { sys::cuMemRelease(handle.0 as sys::CUmemGenericAllocationHandle) },
-                "cuMemRelease",
-            )
-        })
+        // The handle's only mapping goes first, then the allocation.
+        self.in_device(device, || unmap(addr, size).and_then(|()| release(handle)))
     }
 }

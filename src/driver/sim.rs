@@ -211,22 +211,35 @@ impl Reservation {
     /// bytes (the last one the rest), numbered from `handle`.
     #[inline]
     fn map(&mut self, start: u64, addr: u64, size: u64, each: u64, handle: u64) {
-        let g = SIM_GRANULARITY as u64;
         let first = Self::page(start, addr);
-        let end = first + size.div_ceil(g) as usize;
+        let end = first + size.div_ceil(SIM_GRANULARITY as u64) as usize;
+        self.cover(end);
+        let (mut at, mut left, mut handle) = (first, size, handle);
+        while left > 0 {
+            let size = each.min(left);
+            at = self.place(at, handle, size);
+            (left, handle) = (left - size, handle + 1);
+        }
+        debug_assert_eq!(at, end);
+        self.mapped += size;
+    }
+
+    /// Makes [`Reservation::pages`] reach page `end`.
+    #[inline]
+    fn cover(&mut self, end: usize) {
         if self.pages.len() < end {
             self.pages.resize(end, Page::Unmapped);
         }
-        let per = each.div_ceil(g) as usize;
-        let (mut at, mut left, mut handle) = (first, size, handle);
-        for chunk in self.pages[first..end].chunks_mut(per) {
-            let size = each.min(left);
-            chunk[0] = Page::Head { handle, size };
-            chunk[1..].fill(Page::Tail);
-            (at, left, handle) = (at + chunk.len(), left - size, handle + 1);
-        }
-        debug_assert_eq!((at, left), (end, 0));
-        self.mapped += size;
+    }
+
+    /// Records allocation `handle` of `size` bytes as mapped from page `at` (covered and
+    /// unmapped). Returns the page after it.
+    #[inline]
+    fn place(&mut self, at: usize, handle: u64, size: u64) -> usize {
+        let end = at + size.div_ceil(SIM_GRANULARITY as u64) as usize;
+        self.pages[at] = Page::Head { handle, size };
+        self.pages[at + 1..end].fill(Page::Tail);
+        end
     }
 
     /// Unmaps allocation `handle` of `size` bytes at `addr`; false (and nothing changed) when
@@ -573,18 +586,10 @@ impl SimDevice {
             Reservation::page(start, addr),
             Reservation::page(start, addr + size),
         );
-        if range.pages.len() < end {
-            range.pages.resize(end, Page::Unmapped);
-        }
+        range.cover(end);
         let mut at = first;
         for &(l, h) in maps {
-            let n = l.div_ceil(SIM_GRANULARITY);
-            range.pages[at] = Page::Head {
-                handle: h.0,
-                size: l as u64,
-            };
-            range.pages[at + 1..at + n].fill(Page::Tail);
-            at += n;
+            at = range.place(at, h.0, l as u64);
         }
         range.mapped += size;
         if is_tail {
