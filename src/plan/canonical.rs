@@ -614,11 +614,8 @@ impl<'a> Dfs<'a> {
             }
         }
         ordering.truncate(kept);
-        if !moved.is_empty() {
-            moved.sort_unstable();
-            ordering.extend_from_slice(&moved);
-            merge_sorted(ordering, kept, &mut moved);
-        }
+        moved.sort_unstable();
+        merge_sorted(ordering, &moved);
         self.moved = moved;
     }
 
@@ -938,19 +935,18 @@ fn gcd(mut a: u64, mut b: u64) -> u64 {
     a
 }
 
-/// Merges the sorted runs `items[..mid]` and `items[mid..]` in place, with `scratch` as
-/// room for the second run.
-fn merge_sorted<T: Copy + Ord>(items: &mut [T], mid: usize, scratch: &mut Vec<T>) {
-    scratch.clear();
-    scratch.extend_from_slice(&items[mid..]);
+/// Merges the sorted `tail` into the sorted `items`.
+fn merge_sorted<T: Copy + Ord>(items: &mut Vec<T>, tail: &[T]) {
+    let (mut i, mut j) = (items.len(), tail.len());
+    items.extend_from_slice(tail);
     // Fill from the back: the larger of the two runs' last items goes last.
-    let (mut i, mut j, mut k) = (mid, scratch.len(), items.len());
+    let mut k = items.len();
     while j > 0 {
-        if i > 0 && items[i - 1] > scratch[j - 1] {
+        if i > 0 && items[i - 1] > tail[j - 1] {
             items[k - 1] = items[i - 1];
             i -= 1;
         } else {
-            items[k - 1] = scratch[j - 1];
+            items[k - 1] = tail[j - 1];
             j -= 1;
         }
         k -= 1;
