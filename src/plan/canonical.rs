@@ -211,6 +211,12 @@ impl Instance {
     fn members(&self, s: usize) -> &[u32] {
         &self.members[self.members_start[s]..self.members_start[s + 1]]
     }
+
+    /// The boundaries `b` is live across: `s` for each pair of sections `s`, `s + 1` it is
+    /// live in (the `cuts` it counts in).
+    fn crossings(&self, b: usize) -> std::ops::Range<usize> {
+        self.lo[b] as usize..self.hi[b] as usize - 1
+    }
 }
 
 /// How a decision search ended.
@@ -404,8 +410,7 @@ impl<'a> Dfs<'a> {
                 Frame::Placed { b, raised, hatless } => {
                     let (found, _) = self.ret.take().expect("a frame above returned");
                     let b = b as usize;
-                    let (l, e) = (self.inst.lo[b] as usize, self.inst.hi[b] as usize);
-                    for s in l..e.saturating_sub(1) {
+                    for s in self.inst.crossings(b) {
                         self.cuts[s] += 1;
                     }
                     self.unplace(b, raised);
@@ -547,10 +552,10 @@ impl<'a> Dfs<'a> {
         let (first, end) = part.sections;
         let mut cutpoints = vec![first];
         let range = match placed {
-            Some(b) => self.inst.lo[b]..self.inst.hi[b] - 1,
-            None => first..end.saturating_sub(1),
+            Some(b) => self.inst.crossings(b),
+            None => first as usize..(end as usize).saturating_sub(1),
         };
-        cutpoints.extend(range.filter(|&s| self.cuts[s as usize] == 0).map(|s| s + 1));
+        cutpoints.extend(range.filter(|&s| self.cuts[s] == 0).map(|s| s as u32 + 1));
         cutpoints.push(end);
         let windows = cutpoints.windows(2).map(|w| (w[0], w[1])).collect();
         Frame::Split {
@@ -673,11 +678,10 @@ impl<'a> Dfs<'a> {
                 }
                 continue;
             }
-            let (l, e) = (inst.lo[b] as usize, inst.hi[b] as usize);
-            for s in l..e.saturating_sub(1) {
+            for s in inst.crossings(b) {
                 self.cuts[s] -= 1;
             }
-            let splits = (l..e.saturating_sub(1)).any(|s| self.cuts[s] == 0);
+            let splits = inst.crossings(b).any(|s| self.cuts[s] == 0);
             let child = splits.then(|| self.split(part.clone(), Some(b)));
             let placed = Frame::Placed {
                 b: b as u32,
