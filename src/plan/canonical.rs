@@ -14,12 +14,15 @@
 //!   (the layout with that one moved down is as good: dominance);
 //! - it breaks the canonical order (symmetric orders of the same layout);
 //! - it places a copy of an allocation (same size, same sections) before the copies of
-//!   smaller index (swapping copies gives the same layout).
+//!   smaller index (swapping copies gives the same layout);
+//! - another choice follows one that had nothing unplaced live with it, and the rest did
+//!   not fit after that one (they fit after no other: MiniMalloc's "hatless" pruning).
 //!
 //! A placement changes the sections of the allocation placed and of the neighbours it raises:
 //! one run of sections, each checked against one remembered low allocation before its
 //! members are scanned; the order of the unplaced allocations is kept sorted by merging in
 //! the raised ones, not sorted anew.
+//!
 //! When no unplaced allocation spans the boundary between two sections, the two sides are
 //! solved apart (temporal decomposition). Capacities are probed in steps of the greatest
 //! common divisor of the sizes (every canonical arena is a multiple of it), by a portfolio of
