@@ -1044,9 +1044,11 @@ impl Problem {
                 };
                 let given = share.max(1).min(left);
                 let (outcome, used) = probe.run(given, &mut clock);
+                // Given all that was left, the probe stopped short of it: too little for its
+                // next step.
+                let starved = outcome == Outcome::Stopped && given == left && used < given;
                 left -= used;
-                if outcome == Outcome::Stopped && given == left + used && used < given {
-                    // What is left is too little for the probe's next step.
+                if starved {
                     break 'search false;
                 }
                 match outcome {
