@@ -529,7 +529,9 @@ impl<'a> Dfs<'a> {
                 sections: (l, e),
             };
             let preorder = self.preorder(&sub);
-            let ordering = (0..preorder.len() as u32).map(|r| (0, r)).collect();
+            let mut ordering = self.spare.pop().unwrap_or_default();
+            ordering.clear();
+            ordering.extend((0..preorder.len() as u32).map(|r| (0, r)));
             self.stack.push(Frame::Split {
                 part,
                 windows,
@@ -553,14 +555,17 @@ impl<'a> Dfs<'a> {
     /// (`placed`: the allocation just placed, whose crossings no longer count).
     fn split(&self, part: Rc<Partition>, placed: Option<usize>) -> Frame {
         let (first, end) = part.sections;
-        let mut cutpoints = vec![first];
         let range = match placed {
             Some(b) => self.inst.crossings(b),
             None => first as usize..(end as usize).saturating_sub(1),
         };
-        cutpoints.extend(range.filter(|&s| self.cuts[s] == 0).map(|s| s as u32 + 1));
-        cutpoints.push(end);
-        let windows = cutpoints.windows(2).map(|w| (w[0], w[1])).collect();
+        let mut windows = Vec::new();
+        let mut start = first;
+        for s in range.filter(|&s| self.cuts[s] == 0) {
+            windows.push((start, s as u32 + 1));
+            start = s as u32 + 1;
+        }
+        windows.push((start, end));
         Frame::Split {
             part,
             windows,
