@@ -270,13 +270,13 @@ enum Frame {
         next: usize,
     },
     /// Choosing the next allocation of `part` to place: candidates of `ordering` from
-    /// `next` on are left, none before (`min_offset`, `min_rank`). Until `entered`,
-    /// `ordering` is the parent's.
+    /// `next` on are left, none before (`min_offset`, `min_rank`) and none at or above
+    /// `limit`. Until the node is entered, `limit` is `None` and `ordering` the parent's.
     Node {
         part: Rc<Partition>,
         preorder: Rc<[u32]>,
         ordering: Vec<(u64, u32)>,
-        entered: bool,
+        limit: Option<u64>,
         min_offset: u64,
         min_rank: u32,
         next: usize,
@@ -423,12 +423,12 @@ impl<'a> Dfs<'a> {
                     part,
                     preorder,
                     mut ordering,
-                    entered,
+                    mut limit,
                     min_offset,
                     min_rank,
                     mut next,
                 } => {
-                    if !entered {
+                    if limit.is_none() {
                         let units =
                             (ordering.len() + (part.sections.1 - part.sections.0) as usize) as u64;
                         if !self.spend(units, clock) {
@@ -436,7 +436,7 @@ impl<'a> Dfs<'a> {
                                 part,
                                 preorder,
                                 ordering,
-                                entered,
+                                limit,
                                 min_offset,
                                 min_rank,
                                 next,
@@ -449,6 +449,7 @@ impl<'a> Dfs<'a> {
                             self.ret = Some((true, false));
                             continue;
                         }
+                        limit = Some(self.limit(&part, &preorder, &ordering));
                     } else if let Some((found, hatless)) = self.ret.take() {
                         // Nothing unplaced is live with the allocation just tried: any layout
                         // of the rest that some other choice here leads to also completes
@@ -461,8 +462,9 @@ impl<'a> Dfs<'a> {
                         next += 1;
                     }
                     // Where this node goes on from, and what it placed there.
+                    let limit = limit.expect("an entered node");
                     let (k, above) = match self.choose(
-                        &part, &preorder, &ordering, min_offset, min_rank, next, clock,
+                        &part, &preorder, &ordering, min_offset, min_rank, limit, next, clock,
                     ) {
                         Choice::None => {
                             self.spare.push(ordering);
@@ -480,7 +482,7 @@ impl<'a> Dfs<'a> {
                                     part: part.clone(),
                                     preorder: preorder.clone(),
                                     ordering: copy,
-                                    entered: false,
+                                    limit: None,
                                     min_offset: offset,
                                     min_rank: rank,
                                     next: 0,
@@ -493,7 +495,7 @@ impl<'a> Dfs<'a> {
                         part,
                         preorder,
                         ordering,
-                        entered: true,
+                        limit: Some(limit),
                         min_offset,
                         min_rank,
                         next: k,
@@ -541,7 +543,7 @@ impl<'a> Dfs<'a> {
                 part: Rc::new(sub),
                 preorder,
                 ordering,
-                entered: false,
+                limit: None,
                 min_offset: 0,
                 min_rank: 0,
                 next: 0,
@@ -632,21 +634,12 @@ impl<'a> Dfs<'a> {
         self.moved = moved;
     }
 
-    /// Places the first candidate of `ordering` from `next` on that passes the checks: one
-    /// of the unplaced allocations at its lowest offset, not before (`min_offset`,
-    /// `min_rank`) in (offset, rank) order.
-    #[allow(clippy::too_many_arguments)]
-    fn choose(
-        &mut self,
-        part: &Rc<Partition>,
-        preorder: &[u32],
-        ordering: &[(u64, u32)],
-        min_offset: u64,
-        min_rank: u32,
-        next: usize,
-        clock: &mut Clock,
-    ) -> Choice {
+    /// The offset at and above which no allocation of a node goes next (the same for all
+    /// its candidates: what they change is undone before the next is tried).
+    fn limit(&self, part: &Partition, preorder: &[u32], ordering: &[(u64, u32)]) -> u64 {
         let inst = self.inst;
+        // At or above the top of an unplaced allocation, that one fits whole below: leaving
+        // the room empty is dominated.
         let min_height = ordering
             .iter()
             .map(|&(o, r)| o + inst.size[preorder[r as usize] as usize])
@@ -656,15 +649,33 @@ impl<'a> Dfs<'a> {
         // section's unplaced bytes must fit above that offset.
         let (l, e) = (part.sections.0 as usize, part.sections.1 as usize);
         let highest = self.total[l..e].iter().copied().max().unwrap_or(0);
-        let Some(ceiling) = self.capacity.checked_sub(highest) else {
-            return Choice::None;
-        };
+        match self.capacity.checked_sub(highest) {
+            Some(ceiling) => min_height.min(ceiling.saturating_add(1)),
+            None => 0,
+        }
+    }
+
+    /// Places the first candidate of `ordering` from `next` on that passes the checks: one
+    /// of the unplaced allocations at its lowest offset, not before (`min_offset`,
+    /// `min_rank`) in (offset, rank) order and below `limit`.
+    #[allow(clippy::too_many_arguments)]
+    fn choose(
+        &mut self,
+        part: &Rc<Partition>,
+        preorder: &[u32],
+        ordering: &[(u64, u32)],
+        min_offset: u64,
+        min_rank: u32,
+        limit: u64,
+        next: usize,
+        clock: &mut Clock,
+    ) -> Choice {
+        let inst = self.inst;
         for (k, &(offset, rank)) in ordering.iter().enumerate().skip(next) {
             if (offset, rank) < (min_offset, min_rank) {
                 continue;
             }
-            // Something unplaced fits whole below: leaving that room empty is dominated.
-            if offset > ceiling || offset >= min_height {
+            if offset >= limit {
                 break;
             }
             let b = preorder[rank as usize] as usize;
