@@ -161,8 +161,8 @@ fn smallest_arena_by_brute_force(allocs: &[Allocation]) -> u64 {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(300))]
 
-    /// What the search prunes (section capacity, dominance, symmetry, nothing-overhead) never
-    /// hides a smaller layout: a plan it proves optimal is as small as any.
+    /// What the search prunes (section capacity, dominance, canonical order, hatless
+    /// choices) never hides a smaller layout: a plan it proves optimal is as small as any.
     #[test]
     fn a_plan_exact_proves_optimal_is_as_small_as_any_layout(
         allocs in prop::collection::vec((1u64..=4, 0u64..6, 0u64..4), 1..=6)

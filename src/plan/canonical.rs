@@ -14,12 +14,15 @@
 //!   (the layout with that one moved down is as good: dominance);
 //! - it breaks the canonical order (symmetric orders of the same layout);
 //! - it places a copy of an allocation (same size, same sections) before the copies of
-//!   smaller index (swapping copies gives the same layout).
+//!   smaller index (swapping copies gives the same layout);
+//! - another choice follows one that had nothing unplaced live with it, and the rest did
+//!   not fit after that one (they fit after no other: MiniMalloc's "hatless" pruning).
 //!
 //! A placement changes the sections of the allocation placed and of the neighbours it raises:
 //! one run of sections, each checked against one remembered low allocation before its
 //! members are scanned; the order of the unplaced allocations is kept sorted by merging in
 //! the raised ones, not sorted anew.
+//!
 //! When no unplaced allocation spans the boundary between two sections, the two sides are
 //! solved apart (temporal decomposition). Capacities are probed in steps of the greatest
 //! common divisor of the sizes (every canonical arena is a multiple of it), by a portfolio of
@@ -211,6 +214,12 @@ impl Instance {
     fn members(&self, s: usize) -> &[u32] {
         &self.members[self.members_start[s]..self.members_start[s + 1]]
     }
+
+    /// The boundaries `b` is live across: `s` for each pair of sections `s`, `s + 1` it is
+    /// live in (the `cuts` it counts in).
+    fn crossings(&self, b: usize) -> std::ops::Range<usize> {
+        self.lo[b] as usize..self.hi[b] as usize - 1
+    }
 }
 
 /// How a decision search ended.
@@ -261,13 +270,13 @@ enum Frame {
         next: usize,
     },
     /// Choosing the next allocation of `part` to place: candidates of `ordering` from
-    /// `next` on are left, none before (`min_offset`, `min_rank`). Until `entered`,
-    /// `ordering` is the parent's.
+    /// `next` on are left, none before (`min_offset`, `min_rank`) and none at or above
+    /// `limit`. Until the node is entered, `limit` is `None` and `ordering` the parent's.
     Node {
         part: Rc<Partition>,
         preorder: Rc<[u32]>,
         ordering: Vec<(u64, u32)>,
-        entered: bool,
+        limit: Option<u64>,
         min_offset: u64,
         min_rank: u32,
         next: usize,
@@ -404,8 +413,7 @@ impl<'a> Dfs<'a> {
                 Frame::Placed { b, raised, hatless } => {
                     let (found, _) = self.ret.take().expect("a frame above returned");
                     let b = b as usize;
-                    let (l, e) = (self.inst.lo[b] as usize, self.inst.hi[b] as usize);
-                    for s in l..e.saturating_sub(1) {
+                    for s in self.inst.crossings(b) {
                         self.cuts[s] += 1;
                     }
                     self.unplace(b, raised);
@@ -415,12 +423,12 @@ impl<'a> Dfs<'a> {
                     part,
                     preorder,
                     mut ordering,
-                    entered,
+                    mut limit,
                     min_offset,
                     min_rank,
                     mut next,
                 } => {
-                    if !entered {
+                    if limit.is_none() {
                         let units =
                             (ordering.len() + (part.sections.1 - part.sections.0) as usize) as u64;
                         if !self.spend(units, clock) {
@@ -428,7 +436,7 @@ impl<'a> Dfs<'a> {
                                 part,
                                 preorder,
                                 ordering,
-                                entered,
+                                limit,
                                 min_offset,
                                 min_rank,
                                 next,
@@ -441,6 +449,7 @@ impl<'a> Dfs<'a> {
                             self.ret = Some((true, false));
                             continue;
                         }
+                        limit = Some(self.limit(&part, &preorder, &ordering));
                     } else if let Some((found, hatless)) = self.ret.take() {
                         // Nothing unplaced is live with the allocation just tried: any layout
                         // of the rest that some other choice here leads to also completes
@@ -453,8 +462,9 @@ impl<'a> Dfs<'a> {
                         next += 1;
                     }
                     // Where this node goes on from, and what it placed there.
+                    let limit = limit.expect("an entered node");
                     let (k, above) = match self.choose(
-                        &part, &preorder, &ordering, min_offset, min_rank, next, clock,
+                        &part, &preorder, &ordering, min_offset, min_rank, limit, next, clock,
                     ) {
                         Choice::None => {
                             self.spare.push(ordering);
@@ -472,7 +482,7 @@ impl<'a> Dfs<'a> {
                                     part: part.clone(),
                                     preorder: preorder.clone(),
                                     ordering: copy,
-                                    entered: false,
+                                    limit: None,
                                     min_offset: offset,
                                     min_rank: rank,
                                     next: 0,
@@ -485,7 +495,7 @@ impl<'a> Dfs<'a> {
                         part,
                         preorder,
                         ordering,
-                        entered: true,
+                        limit: Some(limit),
                         min_offset,
                         min_rank,
                         next: k,
@@ -521,7 +531,9 @@ impl<'a> Dfs<'a> {
                 sections: (l, e),
             };
             let preorder = self.preorder(&sub);
-            let ordering = (0..preorder.len() as u32).map(|r| (0, r)).collect();
+            let mut ordering = self.spare.pop().unwrap_or_default();
+            ordering.clear();
+            ordering.extend((0..preorder.len() as u32).map(|r| (0, r)));
             self.stack.push(Frame::Split {
                 part,
                 windows,
@@ -531,7 +543,7 @@ impl<'a> Dfs<'a> {
                 part: Rc::new(sub),
                 preorder,
                 ordering,
-                entered: false,
+                limit: None,
                 min_offset: 0,
                 min_rank: 0,
                 next: 0,
@@ -545,14 +557,17 @@ impl<'a> Dfs<'a> {
     /// (`placed`: the allocation just placed, whose crossings no longer count).
     fn split(&self, part: Rc<Partition>, placed: Option<usize>) -> Frame {
         let (first, end) = part.sections;
-        let mut cutpoints = vec![first];
         let range = match placed {
-            Some(b) => self.inst.lo[b]..self.inst.hi[b] - 1,
-            None => first..end.saturating_sub(1),
+            Some(b) => self.inst.crossings(b),
+            None => first as usize..(end as usize).saturating_sub(1),
         };
-        cutpoints.extend(range.filter(|&s| self.cuts[s as usize] == 0).map(|s| s + 1));
-        cutpoints.push(end);
-        let windows = cutpoints.windows(2).map(|w| (w[0], w[1])).collect();
+        let mut windows = Vec::new();
+        let mut start = first;
+        for s in range.filter(|&s| self.cuts[s] == 0) {
+            windows.push((start, s as u32 + 1));
+            start = s as u32 + 1;
+        }
+        windows.push((start, end));
         Frame::Split {
             part,
             windows,
@@ -614,29 +629,17 @@ impl<'a> Dfs<'a> {
             }
         }
         ordering.truncate(kept);
-        if !moved.is_empty() {
-            moved.sort_unstable();
-            ordering.extend_from_slice(&moved);
-            merge_sorted(ordering, kept, &mut moved);
-        }
+        moved.sort_unstable();
+        merge_sorted(ordering, &moved);
         self.moved = moved;
     }
 
-    /// Places the first candidate of `ordering` from `next` on that passes the checks: one
-    /// of the unplaced allocations at its lowest offset, not before (`min_offset`,
-    /// `min_rank`) in (offset, rank) order.
-    #[allow(clippy::too_many_arguments)]
-    fn choose(
-        &mut self,
-        part: &Rc<Partition>,
-        preorder: &[u32],
-        ordering: &[(u64, u32)],
-        min_offset: u64,
-        min_rank: u32,
-        next: usize,
-        clock: &mut Clock,
-    ) -> Choice {
+    /// The offset at and above which no allocation of a node goes next (the same for all
+    /// its candidates: what they change is undone before the next is tried).
+    fn limit(&self, part: &Partition, preorder: &[u32], ordering: &[(u64, u32)]) -> u64 {
         let inst = self.inst;
+        // At or above the top of an unplaced allocation, that one fits whole below: leaving
+        // the room empty is dominated.
         let min_height = ordering
             .iter()
             .map(|&(o, r)| o + inst.size[preorder[r as usize] as usize])
@@ -646,15 +649,33 @@ impl<'a> Dfs<'a> {
         // section's unplaced bytes must fit above that offset.
         let (l, e) = (part.sections.0 as usize, part.sections.1 as usize);
         let highest = self.total[l..e].iter().copied().max().unwrap_or(0);
-        let Some(ceiling) = self.capacity.checked_sub(highest) else {
-            return Choice::None;
-        };
+        match self.capacity.checked_sub(highest) {
+            Some(ceiling) => min_height.min(ceiling.saturating_add(1)),
+            None => 0,
+        }
+    }
+
+    /// Places the first candidate of `ordering` from `next` on that passes the checks: one
+    /// of the unplaced allocations at its lowest offset, not before (`min_offset`,
+    /// `min_rank`) in (offset, rank) order and below `limit`.
+    #[allow(clippy::too_many_arguments)]
+    fn choose(
+        &mut self,
+        part: &Rc<Partition>,
+        preorder: &[u32],
+        ordering: &[(u64, u32)],
+        min_offset: u64,
+        min_rank: u32,
+        limit: u64,
+        next: usize,
+        clock: &mut Clock,
+    ) -> Choice {
+        let inst = self.inst;
         for (k, &(offset, rank)) in ordering.iter().enumerate().skip(next) {
             if (offset, rank) < (min_offset, min_rank) {
                 continue;
             }
-            // Something unplaced fits whole below: leaving that room empty is dominated.
-            if offset > ceiling || offset >= min_height {
+            if offset >= limit {
                 break;
             }
             let b = preorder[rank as usize] as usize;
@@ -676,11 +697,10 @@ impl<'a> Dfs<'a> {
                 }
                 continue;
             }
-            let (l, e) = (inst.lo[b] as usize, inst.hi[b] as usize);
-            for s in l..e.saturating_sub(1) {
+            for s in inst.crossings(b) {
                 self.cuts[s] -= 1;
             }
-            let splits = (l..e.saturating_sub(1)).any(|s| self.cuts[s] == 0);
+            let splits = inst.crossings(b).any(|s| self.cuts[s] == 0);
             let child = splits.then(|| self.split(part.clone(), Some(b)));
             let placed = Frame::Placed {
                 b: b as u32,
@@ -938,19 +958,18 @@ fn gcd(mut a: u64, mut b: u64) -> u64 {
     a
 }
 
-/// Merges the sorted runs `items[..mid]` and `items[mid..]` in place, with `scratch` as
-/// room for the second run.
-fn merge_sorted<T: Copy + Ord>(items: &mut [T], mid: usize, scratch: &mut Vec<T>) {
-    scratch.clear();
-    scratch.extend_from_slice(&items[mid..]);
+/// Merges the sorted `tail` into the sorted `items`.
+fn merge_sorted<T: Copy + Ord>(items: &mut Vec<T>, tail: &[T]) {
+    let (mut i, mut j) = (items.len(), tail.len());
+    items.extend_from_slice(tail);
     // Fill from the back: the larger of the two runs' last items goes last.
-    let (mut i, mut j, mut k) = (mid, scratch.len(), items.len());
+    let mut k = items.len();
     while j > 0 {
-        if i > 0 && items[i - 1] > scratch[j - 1] {
+        if i > 0 && items[i - 1] > tail[j - 1] {
             items[k - 1] = items[i - 1];
             i -= 1;
         } else {
-            items[k - 1] = scratch[j - 1];
+            items[k - 1] = tail[j - 1];
             j -= 1;
         }
         k -= 1;
@@ -1041,9 +1060,11 @@ impl Problem {
                 };
                 let given = share.max(1).min(left);
                 let (outcome, used) = probe.run(given, &mut clock);
+                // Given all that was left, the probe stopped short of it: too little for its
+                // next step.
+                let starved = outcome == Outcome::Stopped && given == left && used < given;
                 left -= used;
-                if outcome == Outcome::Stopped && given == left + used && used < given {
-                    // What is left is too little for the probe's next step.
+                if starved {
                     break 'search false;
                 }
                 match outcome {
