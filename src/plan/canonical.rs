@@ -16,7 +16,12 @@
 //! - it places a copy of an allocation (same size, same sections) before the copies of
 //!   smaller index (swapping copies gives the same layout);
 //! - another choice follows one that had nothing unplaced live with it, and the rest did
-//!   not fit after that one (they fit after no other: MiniMalloc's "hatless" pruning).
+//!   not fit after that one (they fit after no other: MiniMalloc's "hatless" pruning);
+//! - (once a search has run for a while) it reaches a state a failed node had: the same
+//!   unplaced allocations at the same lowest offsets, in the same part under the same order
+//!   constraint, by another path (other allocations below them). Searches at capacities
+//!   near the optimum revisit such states often, since many arrangements of what lies below
+//!   leave the same tops behind.
 //!
 //! A placement changes the sections of the allocation placed and of the neighbours it raises:
 //! one run of sections, each checked against one remembered low allocation before its
@@ -30,6 +35,8 @@
 //! (allocations scanned, sections checked, neighbours updated), never timed, so a budget
 //! gives the same answer on any machine; a deadline can only stop a search early.
 
+use std::collections::HashSet;
+use std::hash::{BuildHasher, Hasher};
 use std::rc::Rc;
 use std::time::Instant;
 
@@ -113,6 +120,9 @@ struct Instance {
     /// The allocation of the same size and sections just before `b` (by index), or
     /// `u32::MAX`: interchangeable allocations are placed in index order.
     twin: Vec<u32>,
+    /// Random factor and term of each allocation in [`Dfs::state`] (fixed seeds: the same
+    /// on every run).
+    zobrist: Vec<(u128, u128)>,
     /// The largest number all sizes are multiples of: so are all canonical offsets and
     /// arenas.
     step: u64,
@@ -177,6 +187,13 @@ impl Instance {
             }
         }
         let step = size.iter().fold(0, |g, &s| gcd(g, s)).max(1);
+        let zobrist = (0..ids.len() as u64)
+            .map(|b| {
+                let words = [1, 2, 3, 4].map(|k| splitmix(b.wrapping_mul(4) + k));
+                let wide = |hi: u64, lo: u64| u128::from(hi) << 64 | u128::from(lo);
+                (wide(words[0], words[1]), wide(words[2], words[3]))
+            })
+            .collect();
         Instance {
             size,
             length: ids
@@ -193,6 +210,7 @@ impl Instance {
             total,
             cuts,
             twin,
+            zobrist,
             step,
         }
     }
@@ -205,6 +223,14 @@ impl Instance {
     /// Problem index of local allocation `b`.
     fn id(&self, b: usize) -> usize {
         self.ids[b] as usize
+    }
+
+    /// The share of unplaced allocation `b` at lowest offset `min_offset` in [`Dfs::state`].
+    fn state_term(&self, b: usize, min_offset: u64) -> u128 {
+        let (factor, term) = self.zobrist[b];
+        factor
+            .wrapping_mul(u128::from(min_offset))
+            .wrapping_add(term)
     }
 
     fn neighbours(&self, b: usize) -> &[u32] {
@@ -237,6 +263,8 @@ enum Outcome {
 struct Partition {
     buffers: Vec<u32>,
     sections: (u32, u32),
+    /// Names the sections and the static order of the part's search in [`Dfs::failed`].
+    key: u64,
 }
 
 /// The wall clock of one call: a deadline can only stop searches early.
@@ -320,6 +348,25 @@ struct Dfs<'a> {
     /// Work left in the current run.
     left: u64,
     outcome: Option<Outcome>,
+    /// Sum of `zobrist[b].0 × min_offset[b] + zobrist[b].1` over the unplaced allocations `b`
+    /// (all computed modulo 2^128): with the part searched and the order constraint, what a
+    /// node's search depends on. A linear hash with random factors: two different states
+    /// share a sum with a chance around 2^-100 (factors of 2 in the offsets' differences
+    /// cost a bit each), far too small to make a proof doubtful.
+    state: u128,
+    /// Keys ([`Dfs::node_key`]) of nodes whose search failed: a node reached again by
+    /// another path (other allocations below, the same lowest offsets for the rest) fails
+    /// again, and is not searched twice.
+    failed: HashSet<u128, KeyHasher>,
+    /// One bit per key of [`Dfs::failed`], at bits 20 to 38 of the key: most nodes were never
+    /// met before, and this small table tells so without a look in the large one.
+    failed_bits: Vec<u64>,
+    /// Whether failed nodes are remembered and looked up: only once the search has spent
+    /// [`MEMO_AFTER`] units (most searches that succeed do so before, and need not pay for
+    /// the hashing; the ones that run long revisit states).
+    memo: bool,
+    /// Work units spent over all runs.
+    spent: u64,
 }
 
 impl<'a> Dfs<'a> {
@@ -331,6 +378,7 @@ impl<'a> Dfs<'a> {
         let whole = Rc::new(Partition {
             buffers: (0..n as u32).collect(),
             sections: (0, sections as u32),
+            key: 0,
         });
         let mut dfs = Dfs {
             inst,
@@ -353,6 +401,11 @@ impl<'a> Dfs<'a> {
             ret: None,
             left: 0,
             outcome: None,
+            state: 0,
+            failed: HashSet::default(),
+            failed_bits: Vec::new(),
+            memo: false,
+            spent: 0,
         };
         if inst.size.iter().any(|&s| s > capacity) {
             dfs.outcome = Some(Outcome::Infeasible);
@@ -387,7 +440,21 @@ impl<'a> Dfs<'a> {
         if outcome != Outcome::Stopped {
             self.outcome = Some(outcome);
         }
+        self.spent += work - self.left;
+        if !self.memo && self.spent >= MEMO_AFTER {
+            self.remember_failures();
+        }
         (outcome, work - self.left)
+    }
+
+    /// From now on, remembers failed nodes and prunes the states they had.
+    fn remember_failures(&mut self) {
+        self.memo = true;
+        self.state = (0..self.inst.len())
+            .filter(|&b| self.offset[b] == NONE)
+            .fold(0, |h: u128, b| {
+                h.wrapping_add(self.inst.state_term(b, self.min_offset[b]))
+            });
     }
 
     fn resume(&mut self, clock: &mut Clock) -> Outcome {
@@ -443,6 +510,13 @@ impl<'a> Dfs<'a> {
                             });
                             return Outcome::Stopped;
                         }
+                        if self.memo
+                            && self.failed_before(self.node_key(&part, min_offset, min_rank))
+                        {
+                            self.spare.push(ordering);
+                            self.ret = Some((false, false));
+                            continue;
+                        }
                         self.enter(&preorder, &mut ordering);
                         if ordering.is_empty() {
                             self.spare.push(ordering);
@@ -455,6 +529,9 @@ impl<'a> Dfs<'a> {
                         // of the rest that some other choice here leads to also completes
                         // with it placed first (MiniMalloc's "hatless" pruning).
                         if found || hatless {
+                            if !found {
+                                self.fail(&part, min_offset, min_rank);
+                            }
                             self.spare.push(ordering);
                             self.ret = Some((found, false));
                             continue;
@@ -467,6 +544,7 @@ impl<'a> Dfs<'a> {
                         &part, &preorder, &ordering, min_offset, min_rank, limit, next, clock,
                     ) {
                         Choice::None => {
+                            self.fail(&part, min_offset, min_rank);
                             self.spare.push(ordering);
                             self.ret = Some((false, false));
                             continue;
@@ -510,6 +588,43 @@ impl<'a> Dfs<'a> {
         }
     }
 
+    /// What the search of a node depends on: the lowest offsets of the unplaced allocations
+    /// (which also say which are placed), the part searched (its sections and static order)
+    /// and the node's order constraint.
+    fn node_key(&self, part: &Partition, min_offset: u64, min_rank: u32) -> u128 {
+        let constraint = splitmix(part.key ^ splitmix(min_offset ^ u64::from(min_rank) << 48));
+        self.state.wrapping_add(u128::from(constraint))
+    }
+
+    /// Remembers that the node of this state failed (forgetting all the others first when
+    /// [`FAILED_LIMIT`] are remembered: memory stays bounded, and what is forgotten depends
+    /// only on the work done).
+    fn fail(&mut self, part: &Partition, min_offset: u64, min_rank: u32) {
+        if !self.memo {
+            return;
+        }
+        if self.failed.len() >= FAILED_LIMIT {
+            self.failed.clear();
+            self.failed_bits.fill(0);
+        }
+        if self.failed_bits.is_empty() {
+            self.failed_bits = vec![0; FAILED_BITS / 64];
+        }
+        let key = self.node_key(part, min_offset, min_rank);
+        let bit = filter_bit(key);
+        self.failed_bits[bit / 64] |= 1 << (bit % 64);
+        self.failed.insert(key);
+    }
+
+    /// Whether a node of key `key` failed before.
+    fn failed_before(&self, key: u128) -> bool {
+        let bit = filter_bit(key);
+        self.failed_bits
+            .get(bit / 64)
+            .is_some_and(|w| w & 1 << (bit % 64) != 0)
+            && self.failed.contains(&key)
+    }
+
     /// Pushes the search of the next nonempty window of a split, or says the split is solved.
     fn next_part(&mut self, part: Rc<Partition>, windows: Vec<(u32, u32)>, next: usize) {
         for k in next..windows.len() {
@@ -526,11 +641,17 @@ impl<'a> Dfs<'a> {
             if buffers.is_empty() {
                 continue;
             }
-            let sub = Partition {
+            let mut sub = Partition {
                 buffers,
                 sections: (l, e),
+                key: 0,
             };
             let preorder = self.preorder(&sub);
+            sub.key = preorder
+                .iter()
+                .fold(splitmix(u64::from(l) << 32 | u64::from(e)), |h, &b| {
+                    splitmix(h ^ u64::from(b))
+                });
             let mut ordering = self.spare.pop().unwrap_or_default();
             ordering.clear();
             ordering.extend((0..preorder.len() as u32).map(|r| (0, r)));
@@ -744,9 +865,24 @@ impl<'a> Dfs<'a> {
         for s in l..e {
             self.total[s] -= size;
         }
+        if self.memo {
+            self.state = self.state.wrapping_sub(self.moves(b, mark));
+        }
         let mut scanned = (inst.neighbours(b).len() + (end - first)) as u64;
         let fits = self.sections_fit(first, end, &mut scanned);
         (fits, scanned, mark, hatless)
+    }
+
+    /// What placing `b` took from [`Dfs::state`], its raised neighbours from `mark` on:
+    /// its own term, less the rise of theirs.
+    fn moves(&self, b: usize, mark: usize) -> u128 {
+        let inst = self.inst;
+        let own = inst.state_term(b, self.min_offset[b]);
+        self.raised[mark..].iter().fold(own, |d, &(o, m)| {
+            let o = o as usize;
+            let rise = u128::from(self.min_offset[o] - m);
+            d.wrapping_sub(inst.zobrist[o].0.wrapping_mul(rise))
+        })
     }
 
     /// Undoes [`Dfs::place`] of `b` (its raised neighbours from `mark` on).
@@ -754,6 +890,9 @@ impl<'a> Dfs<'a> {
         let inst = self.inst;
         for s in inst.lo[b] as usize..inst.hi[b] as usize {
             self.total[s] += inst.size[b];
+        }
+        if self.memo {
+            self.state = self.state.wrapping_add(self.moves(b, mark));
         }
         for &(o, m) in self.raised[mark..].iter().rev() {
             self.min_offset[o as usize] = m;
@@ -792,6 +931,46 @@ impl<'a> Dfs<'a> {
             }
         }
         true
+    }
+}
+
+/// Most failed nodes one search remembers (16 bytes each, plus the table's spare room).
+const FAILED_LIMIT: usize = 1 << 16;
+/// Work a search spends before it remembers failed nodes ([`Dfs::memo`]).
+const MEMO_AFTER: u64 = 1 << 21;
+/// Bits of [`Dfs::failed_bits`]: eight per key remembered at most (64 KiB).
+const FAILED_BITS: usize = 1 << 19;
+
+/// The bit of `key` in [`Dfs::failed_bits`] (other bits than the table's hash uses).
+fn filter_bit(key: u128) -> usize {
+    (key >> 20) as usize % FAILED_BITS
+}
+
+/// Hashes the keys of [`Dfs::failed`], already uniform, by keeping their low bits.
+#[derive(Default, Clone, Copy)]
+struct KeyHasher;
+
+impl BuildHasher for KeyHasher {
+    type Hasher = LowBits;
+    fn build_hasher(&self) -> LowBits {
+        LowBits(0)
+    }
+}
+
+/// The [`Hasher`] of [`KeyHasher`].
+struct LowBits(u64);
+
+impl Hasher for LowBits {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(b);
+        }
+    }
+    fn write_u128(&mut self, n: u128) {
+        self.0 = n as u64;
     }
 }
 
@@ -1080,5 +1259,86 @@ impl Problem {
             proven,
             work: work - left,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Sixteen allocations (size, first use, last use) whose most bytes live at once, 17,
+    /// is no arena: the smallest is 18.
+    const ABOVE_THE_BOUND: [(u64, u64, u64); 16] = [
+        (4, 0, 0),
+        (4, 7, 11),
+        (5, 5, 5),
+        (4, 0, 4),
+        (5, 2, 5),
+        (3, 6, 7),
+        (3, 8, 8),
+        (4, 0, 0),
+        (3, 3, 4),
+        (2, 0, 1),
+        (2, 3, 3),
+        (5, 8, 8),
+        (5, 6, 7),
+        (3, 0, 3),
+        (5, 4, 7),
+        (4, 1, 2),
+    ];
+
+    /// [`ABOVE_THE_BOUND`] with `extra` more allocations of 1 to 3 units drawn from `seed`,
+    /// each live across a few steps.
+    fn problem(seed: u64, extra: usize) -> Problem {
+        let mut rng = seed;
+        let mut next = |m: u64| {
+            rng = splitmix(rng);
+            rng % m
+        };
+        let mut allocs = ABOVE_THE_BOUND.to_vec();
+        for _ in 0..extra {
+            let first = next(12);
+            allocs.push((1 + next(3), first, (first + next(6)).min(11)));
+        }
+        for _ in 0..next(9) {
+            allocs.push((1, 0, 11));
+        }
+        Problem {
+            sizes: allocs.iter().map(|a| a.0).collect(),
+            first: allocs.iter().map(|a| a.1).collect(),
+            last: allocs.iter().map(|a| a.2).collect(),
+        }
+    }
+
+    /// Runs one search in static order 0 to its end: how it ended and the work it spent.
+    fn decide(inst: &Instance, capacity: u64, memo: bool) -> (Outcome, u64) {
+        let mut clock = Clock {
+            deadline: None,
+            ticks: 0,
+            out_of_time: false,
+        };
+        let mut dfs = Dfs::new(inst, capacity, 0, 0);
+        if memo {
+            dfs.remember_failures();
+        }
+        dfs.run(u64::MAX / 2, &mut clock)
+    }
+
+    #[test]
+    fn remembering_failed_nodes_never_changes_whether_a_layout_fits() {
+        let mut saved = 0;
+        for seed in 0..40 {
+            let inst = Instance::of(&problem(seed, (seed % 3) as usize));
+            let bound = inst.total.iter().copied().max().unwrap_or(0);
+            for capacity in bound..bound + 3 {
+                let (plain, plain_work) = decide(&inst, capacity, false);
+                let (memo, memo_work) = decide(&inst, capacity, true);
+                assert_eq!(memo, plain, "seed {seed} capacity {capacity}");
+                assert!(memo_work <= plain_work, "seed {seed} capacity {capacity}");
+                saved += plain_work - memo_work;
+            }
+        }
+        // The check means something only if remembered failures pruned some searches.
+        assert!(saved > 0, "{saved}");
     }
 }
