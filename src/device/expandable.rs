@@ -164,10 +164,10 @@ pub(crate) enum Reclaim {
 const LEND_CANDIDATES: usize = 32;
 
 impl ShardInner {
-    /// The best-fitting free block of `pool` for `rounded` bytes whose memory is idle (an
-    /// event recorded on this shard's stream after its free has completed), taken out of its
-    /// free index: a block another stream may use (`policy:compact`). Looks at a few
-    /// candidates only.
+    /// The best-fitting free block of `pool` for `rounded` bytes, at most twice as large,
+    /// whose memory is idle (an event recorded on this shard's stream after its free has
+    /// completed), taken out of its free index: a block another stream may use
+    /// (`policy:compact`). Looks at a few candidates only.
     pub fn take_idle_fit(
         &mut self,
         pool: PoolKind,
@@ -182,6 +182,11 @@ impl ShardInner {
             let (size, addr, id) = index.first_at_least(from)?;
             // Larger blocks break the oversize rules too once one does.
             if !block_fits(size, rounded, max_split_size, non_split_rounding) {
+                return None;
+            }
+            // A block more than twice the request stays whole for its own stream: lending
+            // it would leave a large remainder of one stream split off for another.
+            if size > rounded.saturating_mul(2) {
                 return None;
             }
             if self.blocks[id as usize].freed_at <= upto {

@@ -8,13 +8,18 @@
 //!   one physical allocation; free pages go back at `empty_cache` and on the out-of-memory
 //!   retry.
 //! - `policy:compact`: expandable segments with pages of the driver's granularity (one
-//!   physical allocation per page, so any free page can be given back), and before a stream
-//!   grows, idle free pages of every stream are unmapped so that the growth reuses their
-//!   memory instead of adding to it: their physical allocations are kept and mapped again
-//!   into the growing range (no `cuMemRelease` and `cuMemCreate` in between), and any the
-//!   growth does not need are released. A page is idle when an event recorded on its stream
-//!   after it was freed has completed; the event is recorded lazily, once per batch of frees,
-//!   when some stream is about to grow, and only queried (never waited for).
+//!   physical allocation per page, so that any free page can be given back). A stream about
+//!   to grow first borrows an idle free block of another stream that fits ([`lend`], marked
+//!   as used by the borrower so that it returns to its owner only after the borrower's work);
+//!   failing that, a growth past the most the device has reserved first unmaps idle free
+//!   pages of every stream so that it reuses their memory instead of adding to it: their
+//!   physical allocations are kept and mapped again into the growing range (no
+//!   `cuMemRelease` and `cuMemCreate` in between), and any the growth does not need are
+//!   released. Memory is idle when an event recorded on its stream after it was freed has
+//!   completed; the event is recorded lazily, once per batch of frees, when some stream is
+//!   about to grow, and only queried (never waited for).
+//!
+//! [`lend`]: DeviceAllocator::lend
 
 use super::expandable::{Layout, Reclaim, Report};
 use super::history::Action;
