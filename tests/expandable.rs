@@ -796,3 +796,55 @@ fn graph_private_pools_keep_ordinary_segments() {
     a.release_pool(pool).unwrap();
     assert_eq!(reserved(&a), 0, "the released pool's segment went back");
 }
+
+#[test]
+fn compact_never_hands_out_memory_twice_while_threads_on_streams_borrow_from_each_other() {
+    use std::collections::BTreeMap;
+    use std::sync::Mutex;
+    let (sim, a) = setup(4 << 30, "policy:compact");
+    let live: Mutex<BTreeMap<usize, usize>> = Mutex::new(BTreeMap::new());
+    std::thread::scope(|scope| {
+        for t in 0..4u64 {
+            let (a, live) = (&a, &live);
+            scope.spawn(move || {
+                let s = unique_stream();
+                let mut mine: Vec<(usize, usize)> = Vec::new();
+                let mut x = 0x2545_f491_4f6c_dd1du64 ^ (t << 32);
+                for step in 0..3000 {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    // Phases of small and large requests make streams miss their own
+                    // cache while others hold idle blocks.
+                    let phase = (step / 200 + t as usize) % 3;
+                    if mine.len() < 12 && x % 3 != 0 {
+                        let size = [3, 5, 9, 17][(x >> 16) as usize % (2 + phase)] << 20;
+                        let p = a.malloc(size, s).unwrap();
+                        let mut l = live.lock().unwrap();
+                        if let Some((&q, &n)) = l.range(..p + size).next_back() {
+                            assert!(q + n <= p, "{p:#x}+{size} overlaps {q:#x}+{n}");
+                        }
+                        l.insert(p, size);
+                        drop(l);
+                        mine.push((p, size));
+                    } else if !mine.is_empty() {
+                        let (p, _) = mine.swap_remove((x >> 40) as usize % mine.len());
+                        live.lock().unwrap().remove(&p);
+                        // Every other free names no stream: the owner is found by address.
+                        let hint = (x >> 8) % 2 == 0;
+                        a.free(p, hint.then_some(s)).unwrap();
+                    }
+                }
+                for (p, _) in mine {
+                    live.lock().unwrap().remove(&p);
+                    a.free(p, Some(s)).unwrap();
+                }
+            });
+        }
+    });
+    a.empty_cache().unwrap();
+    let st = a.stats();
+    assert_eq!(st.allocated_bytes[AGG].current, 0);
+    assert_eq!(st.reserved_bytes[AGG].current, 0);
+    assert_eq!(sim.used(0), 0);
+}
