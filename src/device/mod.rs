@@ -31,7 +31,7 @@ pub mod stats;
 mod table;
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering::Relaxed};
 use std::sync::Arc;
 
 use parking_lot::{MutexGuard, RwLock};
@@ -85,6 +85,9 @@ pub struct DeviceAllocator {
     /// How expandable segments are laid out; `None` for ordinary segments.
     layout: Option<expandable::Layout>,
     policy: Policy,
+    /// The most bytes this device has had reserved at once (`policy:compact`): a growth that
+    /// stays under it takes no pages from other streams ([`policy`]).
+    reserved_high: AtomicI64,
     history: history::History,
     graph: GraphPools,
     limit: MemoryLimit,
@@ -211,6 +214,7 @@ impl DeviceAllocator {
         let a = DeviceAllocator {
             layout,
             policy: config.policy,
+            reserved_high: AtomicI64::new(0),
             device,
             driver,
             max_split_size: config.max_split_size,
@@ -390,6 +394,8 @@ impl DeviceAllocator {
             self.shard_for_pools(stream)?
         };
         let mut retried = false;
+        // `policy:compact` looks for another stream's idle block once before growing.
+        let mut may_lend = self.policy == Policy::Compact && !shard.private;
         let collecting = self.gc_note_request(pool);
         let mut first = shard.inner.lock_memo();
         let replayed = if collecting {
@@ -422,6 +428,15 @@ impl DeviceAllocator {
             let found =
                 inner.take_best_fit(pool, rounded, self.max_split_size, self.non_split_rounding);
             let from_index = found.is_some();
+            if found.is_none() && may_lend && !self.capture_blocks(stream) {
+                may_lend = false;
+                drop(inner);
+                if let Some(addr) = self.lend(shard, pool, rounded, size, stream) {
+                    self.note(Action::Alloc, addr, size, stream);
+                    return Ok(addr);
+                }
+                continue;
+            }
             let id = match found {
                 Some(id) => id,
                 None => match self
