@@ -293,6 +293,7 @@ impl DeviceAllocator {
     #[cold]
     #[inline(never)]
     fn settle_peaks(&self, home: &Shard) {
+        stats::before_settle_try();
         loop {
             let Some(mut settle) = self.counters.settle.try_lock() else {
                 return;
