@@ -426,10 +426,11 @@ impl ShardStats {
 
 /// Settles every shard's overdrafts. The caller holds the settle lock and the lock of every
 /// engaged shard; `shards()` yields those shards (the others hold no headroom and are at
-/// zero).
+/// zero). `raised` already recorded its needs in its tops in this settle.
 pub(crate) fn settle<'a, I>(
     counters: &DeviceCounters,
     unowned: &mut Unowned,
+    raised: &ShardStats,
     shards: impl Fn() -> I,
 ) where
     I: Iterator<Item = &'a ShardStats>,
@@ -439,7 +440,9 @@ pub(crate) fn settle<'a, I>(
         if over == 0 {
             continue;
         }
-        shard.raise_top_wanted();
+        if !std::ptr::eq(shard, raised) {
+            shard.raise_top_wanted();
+        }
         while over != 0 {
             let i = over.trailing_zeros() as usize;
             over &= over - 1;
