@@ -297,6 +297,7 @@ impl DeviceAllocator {
     #[cold]
     #[inline(never)]
     fn settle_peaks(&self, home: &Shard) {
+        stats::before_settle_try();
         loop {
             let Some(mut settle) = self.counters.settle.try_lock() else {
                 return;
@@ -355,10 +356,11 @@ impl DeviceAllocator {
     }
 
     /// Settles every engaged shard under their locks ([`LockedShards`]). The caller holds the
-    /// settle lock (which guards `state`) and `home`'s lock.
+    /// settle lock (which guards `state`) and `home`'s lock, and has raised `home`'s tops
+    /// ([`ShardStats::raise_top_wanted`]) in this settle.
     fn settle_all(&self, home: &Shard, state: &mut SettleState) {
         let all = LockedShards::lock(self, home, &mut state.held);
-        stats::settle(&self.counters, &mut state.unowned, || {
+        stats::settle(&self.counters, &mut state.unowned, &home.stats, || {
             all.shards().map(|s| &s.stats)
         });
     }
