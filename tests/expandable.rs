@@ -817,7 +817,7 @@ fn compact_never_hands_out_memory_twice_while_threads_on_streams_borrow_from_eac
                     // Phases of small and large requests make streams miss their own
                     // cache while others hold idle blocks.
                     let phase = (step / 200 + t as usize) % 3;
-                    if mine.len() < 12 && x % 3 != 0 {
+                    if mine.len() < 12 && !x.is_multiple_of(3) {
                         let size = [3, 5, 9, 17][(x >> 16) as usize % (2 + phase)] << 20;
                         let p = a.malloc(size, s).unwrap();
                         let mut l = live.lock().unwrap();
@@ -831,7 +831,7 @@ fn compact_never_hands_out_memory_twice_while_threads_on_streams_borrow_from_eac
                         let (p, _) = mine.swap_remove((x >> 40) as usize % mine.len());
                         live.lock().unwrap().remove(&p);
                         // Every other free names no stream: the owner is found by address.
-                        let hint = (x >> 8) % 2 == 0;
+                        let hint = (x >> 8).is_multiple_of(2);
                         a.free(p, hint.then_some(s)).unwrap();
                     }
                 }
