@@ -222,21 +222,104 @@ fn compact_maps_pages_of_the_driver_granularity() {
     let _ = p;
 }
 
+/// Stream `s` holds `pieces` free blocks of `piece` bytes each, kept apart by live blocks
+/// (returned) so that no free block is larger than `piece`.
+fn free_pieces(a: &DeviceAllocator, s: usize, pieces: usize, piece: usize) -> Vec<usize> {
+    let mut live = Vec::new();
+    let mut freed = Vec::new();
+    for _ in 0..pieces {
+        freed.push(a.malloc(piece, s).unwrap());
+        live.push(a.malloc(piece, s).unwrap());
+    }
+    for p in freed {
+        a.free(p, Some(s)).unwrap();
+    }
+    live
+}
+
 #[test]
-fn compact_reuses_idle_free_pages_of_another_stream_instead_of_growing() {
+fn compact_lends_an_idle_free_block_of_another_stream_instead_of_growing() {
     use std::sync::atomic::Ordering::Relaxed;
     let (sim, a) = setup(1 << 30, "policy:compact");
     let (s1, s2) = (unique_stream(), unique_stream());
     let p = a.malloc(40 * MIB, s1).unwrap();
     a.free(p, Some(s1)).unwrap();
-    let created = sim.counters.vmm_map.load(Relaxed);
+    let maps = (
+        sim.counters.vmm_map.load(Relaxed),
+        sim.counters.vmm_map_kept.load(Relaxed),
+    );
     let q = a.malloc(40 * MIB, s2).unwrap();
+    assert_eq!(q, p, "s2 uses s1's idle block where it lies");
+    assert_eq!(reserved(&a), 40 << 20);
+    assert_eq!(
+        (
+            sim.counters.vmm_map.load(Relaxed),
+            sim.counters.vmm_map_kept.load(Relaxed)
+        ),
+        maps,
+        "nothing mapped"
+    );
+    a.free(q, Some(s2)).unwrap();
+    assert_eq!(a.stats().allocated_bytes[AGG].current, 0);
+}
+
+#[test]
+fn compact_does_not_lend_a_block_much_larger_than_the_request() {
+    let (_sim, a) = setup(1 << 30, "policy:compact");
+    let (s1, s2) = (unique_stream(), unique_stream());
+    let p = a.malloc(40 * MIB, s1).unwrap();
+    a.free(p, Some(s1)).unwrap();
+    let q = a.malloc(10 * MIB, s2).unwrap();
+    assert!(
+        q < p || q >= p + 40 * MIB,
+        "s1's 40 MiB block is not split for 10 MiB of s2"
+    );
+    a.free(q, Some(s2)).unwrap();
+}
+
+#[test]
+fn a_lent_block_returns_to_its_stream_only_after_the_borrowers_work_completes() {
+    let (_sim, a) = setup(1 << 30, "policy:compact");
+    let (s1, s2) = (unique_stream(), unique_stream());
+    let p = a.malloc(40 * MIB, s1).unwrap();
+    a.free(p, Some(s1)).unwrap();
+    let q = a.malloc(40 * MIB, s2).unwrap();
+    assert_eq!(q, p);
+    sim::hold_stream(s2);
+    // Freed on the borrowing stream, or with no stream at all: either way s2's work counts.
+    a.free(q, None).unwrap();
+    let r = a.malloc(40 * MIB, s1).unwrap();
+    assert!(
+        r + 40 * MIB <= p || r >= p + 40 * MIB,
+        "s2's work may still use the block: s1 gets other memory"
+    );
+    sim::release_stream(s2);
+    a.free(r, Some(s1)).unwrap();
+    let again = [
+        a.malloc(40 * MIB, s1).unwrap(),
+        a.malloc(40 * MIB, s1).unwrap(),
+    ];
+    assert!(again.contains(&p), "back in s1's pool: {again:x?}");
+    for x in again {
+        a.free(x, Some(s1)).unwrap();
+    }
+}
+
+#[test]
+fn compact_reuses_idle_free_pages_of_another_stream_instead_of_growing() {
+    use std::sync::atomic::Ordering::Relaxed;
+    let (sim, a) = setup(1 << 30, "policy:compact");
+    let (s1, s2) = (unique_stream(), unique_stream());
+    // Two idle 10 MiB blocks of s1, none large enough to lend for 20 MiB.
+    let live = free_pieces(&a, s1, 2, 10 * MIB);
+    let created = sim.counters.vmm_map.load(Relaxed);
+    let q = a.malloc(20 * MIB, s2).unwrap();
     assert_eq!(reserved(&a), 40 << 20, "s1's idle pages moved to s2");
     assert_eq!(sim.mapped(0), 40 << 20);
     assert_eq!(
         sim.counters.vmm_map_kept.load(Relaxed),
-        20,
-        "the same 20 physical pages, mapped again"
+        10,
+        "the same 10 physical pages, mapped again"
     );
     assert_eq!(sim.counters.vmm_map.load(Relaxed), created, "none created");
     assert_eq!(sim.counters.vmm_unmap.load(Relaxed), 0, "none released");
@@ -246,6 +329,38 @@ fn compact_reuses_idle_free_pages_of_another_stream_instead_of_growing() {
         "no out-of-memory retry was needed"
     );
     a.free(q, Some(s2)).unwrap();
+    for p in live {
+        a.free(p, Some(s1)).unwrap();
+    }
+}
+
+#[test]
+fn compact_grows_without_taking_pages_while_under_its_most_reserved() {
+    use std::sync::atomic::Ordering::Relaxed;
+    let (sim, a) = setup(1 << 30, "policy:compact");
+    let (s1, s2) = (unique_stream(), unique_stream());
+    let big = a.malloc(100 * MIB, s1).unwrap();
+    a.free(big, Some(s1)).unwrap();
+    a.empty_cache().unwrap();
+    assert_eq!(reserved(&a), 0);
+    let live = free_pieces(&a, s1, 2, 10 * MIB);
+    let kept = sim.counters.vmm_map_kept.load(Relaxed);
+    // 40 MiB mapped and 20 MiB more stay under the 100 MiB reserved before.
+    let q = a.malloc(20 * MIB, s2).unwrap();
+    assert_eq!(
+        reserved(&a),
+        60 << 20,
+        "s1's idle pages stay where they are"
+    );
+    assert_eq!(sim.counters.vmm_map_kept.load(Relaxed), kept);
+    // Past the most reserved, idle pages go first.
+    let r = a.malloc(60 * MIB, s2).unwrap();
+    assert_eq!(reserved(&a), 100 << 20, "{}", reserved(&a));
+    for p in live {
+        a.free(p, Some(s1)).unwrap();
+    }
+    a.free(q, Some(s2)).unwrap();
+    a.free(r, Some(s2)).unwrap();
 }
 
 #[test]
@@ -328,7 +443,7 @@ fn the_default_policy_is_unchanged_by_the_new_options() {
 fn random_workload_keeps_the_books(conf: &str) {
     let (sim, a) = setup(2 << 30, conf);
     let streams = [unique_stream(), unique_stream(), unique_stream()];
-    let mut live: Vec<(usize, usize)> = Vec::new();
+    let mut live: Vec<(usize, usize, usize)> = Vec::new();
     let mut x = 0x9e37_79b9_7f4a_7c15u64;
     for step in 0..4000 {
         x ^= x << 13;
@@ -341,9 +456,17 @@ fn random_workload_keeps_the_books(conf: &str) {
                 1 => (x >> 20) as usize % (12 << 20) + 1,
                 _ => (x >> 20) as usize % (40 << 20) + 1,
             };
-            live.push((a.malloc(size, s).unwrap(), s));
+            let p = a.malloc(size, s).unwrap();
+            // Blocks lent across streams included, no two live allocations overlap.
+            for &(q, _, n) in &live {
+                assert!(
+                    p + size <= q || q + n <= p,
+                    "step {step}: {p:#x} overlaps {q:#x}"
+                );
+            }
+            live.push((p, s, size));
         } else if !live.is_empty() {
-            let (p, s) = live.swap_remove((x >> 30) as usize % live.len());
+            let (p, s, _) = live.swap_remove((x >> 30) as usize % live.len());
             a.free(p, Some(s)).unwrap();
         }
         if step % 500 == 0 {
@@ -357,7 +480,7 @@ fn random_workload_keeps_the_books(conf: &str) {
         );
         assert!(st.allocated_bytes[AGG].current <= st.reserved_bytes[AGG].current);
     }
-    for (p, s) in live {
+    for (p, s, _) in live {
         a.free(p, Some(s)).unwrap();
     }
     a.empty_cache().unwrap();
@@ -568,13 +691,13 @@ fn the_memory_history_records_each_mapping_and_unmapping() {
 fn the_memory_history_records_pages_compact_takes_from_another_stream() {
     let (_sim, a) = setup(1 << 30, "policy:compact");
     let (s, t) = (unique_stream(), unique_stream());
-    let p = a.malloc(8 * MIB, s).unwrap();
-    a.free(p, Some(s)).unwrap();
+    let live = free_pieces(&a, s, 2, 4 * MIB);
+    let p = live[0] - 4 * MIB;
     a.history().set(true, 100).unwrap();
     let q = a.malloc(8 * MIB, t).unwrap();
     let events = mapping_events(&a);
     assert!(
-        events.contains(&(Action::SegmentUnmap, p, 8 * MIB, s)),
+        events.contains(&(Action::SegmentUnmap, p, 4 * MIB, s)),
         "{events:?}"
     );
     assert!(
@@ -582,6 +705,9 @@ fn the_memory_history_records_pages_compact_takes_from_another_stream() {
         "{events:?}"
     );
     a.free(q, Some(t)).unwrap();
+    for p in live {
+        a.free(p, Some(s)).unwrap();
+    }
 }
 
 #[test]
@@ -669,4 +795,56 @@ fn graph_private_pools_keep_ordinary_segments() {
     a.free(p, Some(s)).unwrap();
     a.release_pool(pool).unwrap();
     assert_eq!(reserved(&a), 0, "the released pool's segment went back");
+}
+
+#[test]
+fn compact_never_hands_out_memory_twice_while_threads_on_streams_borrow_from_each_other() {
+    use std::collections::BTreeMap;
+    use std::sync::Mutex;
+    let (sim, a) = setup(4 << 30, "policy:compact");
+    let live: Mutex<BTreeMap<usize, usize>> = Mutex::new(BTreeMap::new());
+    std::thread::scope(|scope| {
+        for t in 0..4u64 {
+            let (a, live) = (&a, &live);
+            scope.spawn(move || {
+                let s = unique_stream();
+                let mut mine: Vec<(usize, usize)> = Vec::new();
+                let mut x = 0x2545_f491_4f6c_dd1du64 ^ (t << 32);
+                for step in 0..3000 {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    // Phases of small and large requests make streams miss their own
+                    // cache while others hold idle blocks.
+                    let phase = (step / 200 + t as usize) % 3;
+                    if mine.len() < 12 && !x.is_multiple_of(3) {
+                        let size = [3, 5, 9, 17][(x >> 16) as usize % (2 + phase)] << 20;
+                        let p = a.malloc(size, s).unwrap();
+                        let mut l = live.lock().unwrap();
+                        if let Some((&q, &n)) = l.range(..p + size).next_back() {
+                            assert!(q + n <= p, "{p:#x}+{size} overlaps {q:#x}+{n}");
+                        }
+                        l.insert(p, size);
+                        drop(l);
+                        mine.push((p, size));
+                    } else if !mine.is_empty() {
+                        let (p, _) = mine.swap_remove((x >> 40) as usize % mine.len());
+                        live.lock().unwrap().remove(&p);
+                        // Every other free names no stream: the owner is found by address.
+                        let hint = (x >> 8).is_multiple_of(2);
+                        a.free(p, hint.then_some(s)).unwrap();
+                    }
+                }
+                for (p, _) in mine {
+                    live.lock().unwrap().remove(&p);
+                    a.free(p, Some(s)).unwrap();
+                }
+            });
+        }
+    });
+    a.empty_cache().unwrap();
+    let st = a.stats();
+    assert_eq!(st.allocated_bytes[AGG].current, 0);
+    assert_eq!(st.reserved_bytes[AGG].current, 0);
+    assert_eq!(sim.used(0), 0);
 }

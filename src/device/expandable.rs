@@ -15,7 +15,7 @@
 //! anything is mapped in it.
 
 use super::shard::{Block, ShardInner, StatSink, State, NONE};
-use super::size::PoolKind;
+use super::size::{block_fits, PoolKind};
 use super::stats::StatKind;
 use crate::driver::{Driver, Event, PhysHandle};
 use crate::error::{Error, Result};
@@ -160,7 +160,44 @@ pub(crate) enum Reclaim {
     Idle { keep: u32 },
 }
 
+/// How many free blocks a lending shard looks at, best fit first, for one whose free is idle.
+const LEND_CANDIDATES: usize = 32;
+
 impl ShardInner {
+    /// The best-fitting free block of `pool` for `rounded` bytes, at most twice as large,
+    /// whose memory is idle (an event recorded on this shard's stream after its free has
+    /// completed), taken out of its free index: a block another stream may use
+    /// (`policy:compact`). Looks at a few candidates only.
+    pub fn take_idle_fit(
+        &mut self,
+        pool: PoolKind,
+        rounded: usize,
+        max_split_size: usize,
+        non_split_rounding: usize,
+    ) -> Option<u32> {
+        let upto = self.exp.idle_upto;
+        let index = self.free_index(pool);
+        let mut from = (rounded, 0, 0);
+        for _ in 0..LEND_CANDIDATES {
+            let (size, addr, id) = index.first_at_least(from)?;
+            // Larger blocks break the oversize rules too once one does.
+            if !block_fits(size, rounded, max_split_size, non_split_rounding) {
+                return None;
+            }
+            // A block more than twice the request stays whole for its own stream: lending
+            // it would leave a large remainder of one stream split off for another.
+            if size > rounded.saturating_mul(2) {
+                return None;
+            }
+            if self.blocks[id as usize].freed_at <= upto {
+                self.remove_free(id);
+                return Some(id);
+            }
+            from = (size, addr + 1, 0);
+        }
+        None
+    }
+
     fn unmapped_index(&mut self, pool: PoolKind) -> &mut Unmapped {
         &mut self.exp.unmapped[Layout::pool_index(pool)]
     }

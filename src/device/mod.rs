@@ -31,7 +31,7 @@ pub mod stats;
 mod table;
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering::Relaxed};
 use std::sync::Arc;
 
 use parking_lot::{MutexGuard, RwLock};
@@ -85,6 +85,9 @@ pub struct DeviceAllocator {
     /// How expandable segments are laid out; `None` for ordinary segments.
     layout: Option<expandable::Layout>,
     policy: Policy,
+    /// The most bytes this device has had reserved at once (`policy:compact`): a growth that
+    /// stays under it takes no pages from other streams ([`policy`]).
+    reserved_high: AtomicI64,
     history: history::History,
     graph: GraphPools,
     limit: MemoryLimit,
@@ -211,6 +214,7 @@ impl DeviceAllocator {
         let a = DeviceAllocator {
             layout,
             policy: config.policy,
+            reserved_high: AtomicI64::new(0),
             device,
             driver,
             max_split_size: config.max_split_size,
@@ -293,6 +297,7 @@ impl DeviceAllocator {
     #[cold]
     #[inline(never)]
     fn settle_peaks(&self, home: &Shard) {
+        stats::before_settle_try();
         loop {
             let Some(mut settle) = self.counters.settle.try_lock() else {
                 return;
@@ -351,10 +356,11 @@ impl DeviceAllocator {
     }
 
     /// Settles every engaged shard under their locks ([`LockedShards`]). The caller holds the
-    /// settle lock (which guards `state`) and `home`'s lock.
+    /// settle lock (which guards `state`) and `home`'s lock, and has raised `home`'s tops
+    /// ([`ShardStats::raise_top_wanted`]) in this settle.
     fn settle_all(&self, home: &Shard, state: &mut SettleState) {
         let all = LockedShards::lock(self, home, &mut state.held);
-        stats::settle(&self.counters, &mut state.unowned, || {
+        stats::settle(&self.counters, &mut state.unowned, &home.stats, || {
             all.shards().map(|s| &s.stats)
         });
     }
@@ -390,6 +396,8 @@ impl DeviceAllocator {
             self.shard_for_pools(stream)?
         };
         let mut retried = false;
+        // `policy:compact` looks for another stream's idle block once before growing.
+        let mut may_lend = self.policy == Policy::Compact && !shard.private;
         let collecting = self.gc_note_request(pool);
         let mut first = shard.inner.lock_memo();
         let replayed = if collecting {
@@ -422,6 +430,15 @@ impl DeviceAllocator {
             let found =
                 inner.take_best_fit(pool, rounded, self.max_split_size, self.non_split_rounding);
             let from_index = found.is_some();
+            if found.is_none() && may_lend && !self.capture_blocks(stream) {
+                may_lend = false;
+                drop(inner);
+                if let Some(addr) = self.lend(shard, pool, rounded, size, stream) {
+                    self.note(Action::Alloc, addr, size, stream);
+                    return Ok(addr);
+                }
+                continue;
+            }
             let id = match found {
                 Some(id) => id,
                 None => match self

@@ -8,13 +8,18 @@
 //!   one physical allocation; free pages go back at `empty_cache` and on the out-of-memory
 //!   retry.
 //! - `policy:compact`: expandable segments with pages of the driver's granularity (one
-//!   physical allocation per page, so any free page can be given back), and before a stream
-//!   grows, idle free pages of every stream are unmapped so that the growth reuses their
-//!   memory instead of adding to it: their physical allocations are kept and mapped again
-//!   into the growing range (no `cuMemRelease` and `cuMemCreate` in between), and any the
-//!   growth does not need are released. A page is idle when an event recorded on its stream
-//!   after it was freed has completed; the event is recorded lazily, once per batch of frees,
-//!   when some stream is about to grow, and only queried (never waited for).
+//!   physical allocation per page, so that any free page can be given back). A stream about
+//!   to grow first borrows an idle free block of another stream that fits ([`lend`], marked
+//!   as used by the borrower so that it returns to its owner only after the borrower's work);
+//!   failing that, a growth past the most the device has reserved first unmaps idle free
+//!   pages of every stream so that it reuses their memory instead of adding to it: their
+//!   physical allocations are kept and mapped again into the growing range (no
+//!   `cuMemRelease` and `cuMemCreate` in between), and any the growth does not need are
+//!   released. Memory is idle when an event recorded on its stream after it was freed has
+//!   completed; the event is recorded lazily, once per batch of frees, when some stream is
+//!   about to grow, and only queried (never waited for).
+//!
+//! [`lend`]: DeviceAllocator::lend
 
 use super::expandable::{Layout, Reclaim, Report};
 use super::history::Action;
@@ -23,8 +28,8 @@ use super::size::{PoolKind, SMALL_BUFFER};
 use super::stats::{self, ShardStats, StatKind};
 use super::{DeviceAllocator, Shard};
 use crate::config::{Config, Policy};
-use crate::driver::{Driver, PhysHandle};
-use crate::error::Result;
+use crate::driver::{Driver, PhysHandle, Stream};
+use crate::error::{Error, Result};
 use std::sync::atomic::Ordering::Relaxed;
 
 /// The expandable layout `config` asks for on `device`, or `None` for ordinary segments
@@ -86,9 +91,48 @@ impl DeviceAllocator {
         pool: PoolKind,
         rounded: usize,
     ) -> Result<u32> {
+        let compact = self.policy == Policy::Compact;
+        // Reclaiming costs a walk of free blocks and driver calls, and keeps nothing the peak
+        // needs while the device stays under its most reserved: only a growth past that
+        // takes idle pages first, or one that fails without them.
+        let reclaim = compact && !self.under_high(rounded);
+        let grown = self.grow_once(shard, inner, layout, pool, rounded, reclaim);
+        let grown = match grown {
+            Err(Error::OutOfMemory(_)) if compact && !reclaim => {
+                self.grow_once(shard, inner, layout, pool, rounded, true)
+            }
+            other => other,
+        };
+        if compact && grown.is_ok() {
+            let reserved = self.total_current(stats::aggregate(StatKind::ReservedBytes));
+            self.reserved_high.fetch_max(reserved, Relaxed);
+        }
+        grown
+    }
+
+    /// Whether mapping `need` more bytes keeps the device within the most it has reserved
+    /// (and within its memory limit, if one is set).
+    fn under_high(&self, need: usize) -> bool {
+        let after = self
+            .total_current(stats::aggregate(StatKind::ReservedBytes))
+            .saturating_add(need as i64);
+        after <= self.reserved_high.load(Relaxed)
+            && self.limit.bytes().is_none_or(|limit| after as u64 <= limit)
+    }
+
+    /// One try of [`Self::grow`], taking idle pages of every stream first when `reclaim`.
+    fn grow_once(
+        &self,
+        shard: &Shard,
+        inner: &mut ShardInner,
+        layout: &Layout,
+        pool: PoolKind,
+        rounded: usize,
+        reclaim: bool,
+    ) -> Result<u32> {
         let mut report = Report::new(self.history().on());
         report.spare = std::mem::take(&mut inner.exp.spare);
-        let start = if self.policy == Policy::Compact {
+        let start = if reclaim {
             self.reclaim_idle(shard, inner, rounded, pool, &mut report.spare)
         } else {
             None
@@ -125,6 +169,62 @@ impl DeviceAllocator {
             self.settle_marked(shard);
         }
         grown
+    }
+
+    /// Before `shard`'s stream grows for `size` bytes (`rounded` in `pool`): allocates an idle
+    /// free block of another stream instead, marked as used by `stream` (as `record_stream`
+    /// would), so that when it is freed it returns to its own stream's pool only after the
+    /// work queued on `stream` completes. Never waits: a busy shard is skipped. The caller
+    /// holds no shard lock. Returns the address.
+    pub(super) fn lend(
+        &self,
+        shard: &Shard,
+        pool: PoolKind,
+        rounded: usize,
+        size: usize,
+        stream: Stream,
+    ) -> Option<usize> {
+        if self.graph.capturing() {
+            return None;
+        }
+        for other in self.shards.iter() {
+            // Read without the other shard's lock: a stale look only skips a shard or locks
+            // one for nothing.
+            if other.index == shard.index
+                || other.private
+                || self.free_mapped(other) < rounded as i64
+            {
+                continue;
+            }
+            let Some(mut inner) = other.inner.try_lock() else {
+                continue;
+            };
+            if inner.exp.segments.is_empty()
+                || self.driver.stream_capturing(other.stream).unwrap_or(false)
+            {
+                continue;
+            }
+            if !inner.pending.is_empty() {
+                self.process_events(other, &mut inner);
+            }
+            self.refresh_idle(other, &mut inner);
+            let Some(id) =
+                inner.take_idle_fit(pool, rounded, self.max_split_size, self.non_split_rounding)
+            else {
+                continue;
+            };
+            let addr = inner.allocate(
+                id,
+                rounded,
+                size,
+                self.max_split_size,
+                false,
+                &mut self.op_sink(other),
+            );
+            inner.block_mut(id).stream_uses.push(stream);
+            return Some(addr);
+        }
+        None
     }
 
     /// Settles the overdrafts that shards only marked, under `shard`'s lock.

@@ -33,8 +33,9 @@
 //! Lock order: the settle lock, then shard locks. A thread that holds a shard lock only
 //! *tries* the settle lock; when another thread holds it, the overdraft is left marked on the
 //! shard, and the holder looks for marked overdrafts once more after releasing the settle
-//! lock (a sequentially consistent fence on both sides makes sure one of the two sees the
-//! other) and settles them.
+//! lock (a sequentially consistent fence on both sides, on the marking side one per
+//! operation rather than per mark, makes sure one of the two sees the other) and settles
+//! them.
 
 use std::sync::atomic::{
     fence, AtomicBool, AtomicI64, AtomicU32, AtomicUsize, Ordering::Relaxed, Ordering::SeqCst,
@@ -247,9 +248,8 @@ impl ShardStats {
             high.store(current, Relaxed);
         }
         self.set_engaged(true);
+        // Published to the settle lock's holder by the fence of `before_settle_try`.
         self.over.store(self.over.load(Relaxed) | bit, Relaxed);
-        // Pairs with the fence after the settle lock is released (module documentation).
-        fence(SeqCst);
     }
 
     /// Whether some statistic passed its limit and is not settled yet.
@@ -313,16 +313,21 @@ impl ShardStats {
     /// statistics whose limit is below their `top` (a bit per statistic, for
     /// [`ShardStats::take_spare`]). The caller holds the settle lock and the shard's lock.
     pub fn raise_top_wanted(&self) -> u32 {
+        // `need` for every statistic, with the overdraft mask read once.
+        let over = self.over.load(Relaxed);
         let mut wanted = 0;
-        for i in 0..TRACKED {
-            let need = self.need(i);
+        for (i, cell) in self.cells.iter().enumerate() {
+            let mut need = cell.current.load(Relaxed);
+            if over & (1 << i) != 0 {
+                need = need.max(self.high[i].load(Relaxed));
+            }
             let top = &self.top[i];
             let mut t = top.load(Relaxed);
             if need > t {
                 top.store(need, Relaxed);
                 t = need;
             }
-            if t > self.cells[i].limit.load(Relaxed) {
+            if t > cell.limit.load(Relaxed) {
                 wanted |= 1 << i;
             }
         }
@@ -421,10 +426,11 @@ impl ShardStats {
 
 /// Settles every shard's overdrafts. The caller holds the settle lock and the lock of every
 /// engaged shard; `shards()` yields those shards (the others hold no headroom and are at
-/// zero).
+/// zero). `raised` already recorded its needs in its tops in this settle.
 pub(crate) fn settle<'a, I>(
     counters: &DeviceCounters,
     unowned: &mut Unowned,
+    raised: &ShardStats,
     shards: impl Fn() -> I,
 ) where
     I: Iterator<Item = &'a ShardStats>,
@@ -434,7 +440,9 @@ pub(crate) fn settle<'a, I>(
         if over == 0 {
             continue;
         }
-        shard.raise_top_wanted();
+        if !std::ptr::eq(shard, raised) {
+            shard.raise_top_wanted();
+        }
         while over != 0 {
             let i = over.trailing_zeros() as usize;
             over &= over - 1;
@@ -461,6 +469,14 @@ pub(crate) fn settle<'a, I>(
         }
         shard.over.store(0, Relaxed);
     }
+}
+
+/// Called by a thread that marked overdrafts before it tries the settle lock, once for all
+/// of an operation's marks: pairs with the fence after the lock's holder releases it
+/// (module documentation).
+#[inline]
+pub(crate) fn before_settle_try() {
+    fence(SeqCst);
 }
 
 /// Called after the settle lock is released: pairs with the fence of a thread that marked
