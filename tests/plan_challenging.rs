@@ -232,24 +232,7 @@ fn exact_proves_a_plan_above_the_lower_bound_optimal() {
 
 /// Sixteen allocations (sizes in units of 64 bytes, first and last use) whose lower bound,
 /// 17 units, is out of reach: the smallest arena is 18 units.
-const ABOVE_THE_BOUND: [(u64, u64, u64); 16] = [
-    (4, 0, 0),
-    (4, 7, 11),
-    (5, 5, 5),
-    (4, 0, 4),
-    (5, 2, 5),
-    (3, 6, 7),
-    (3, 8, 8),
-    (4, 0, 0),
-    (3, 3, 4),
-    (2, 0, 1),
-    (2, 3, 3),
-    (5, 8, 8),
-    (5, 6, 7),
-    (3, 0, 3),
-    (5, 4, 7),
-    (4, 1, 2),
-];
+const ABOVE_THE_BOUND: [(u64, u64, u64); 16] = include!("data/above_the_bound.rs");
 
 fn above_the_bound() -> Vec<Allocation> {
     ABOVE_THE_BOUND

@@ -1268,24 +1268,10 @@ mod tests {
 
     /// Sixteen allocations (size, first use, last use) whose most bytes live at once, 17,
     /// is no arena: the smallest is 18.
-    const ABOVE_THE_BOUND: [(u64, u64, u64); 16] = [
-        (4, 0, 0),
-        (4, 7, 11),
-        (5, 5, 5),
-        (4, 0, 4),
-        (5, 2, 5),
-        (3, 6, 7),
-        (3, 8, 8),
-        (4, 0, 0),
-        (3, 3, 4),
-        (2, 0, 1),
-        (2, 3, 3),
-        (5, 8, 8),
-        (5, 6, 7),
-        (3, 0, 3),
-        (5, 4, 7),
-        (4, 1, 2),
-    ];
+    const ABOVE_THE_BOUND: [(u64, u64, u64); 16] = include!(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/data/above_the_bound.rs"
+    ));
 
     /// [`ABOVE_THE_BOUND`] with `extra` more allocations of 1 to 3 units drawn from `seed`,
     /// each live across a few steps.
