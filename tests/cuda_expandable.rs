@@ -78,14 +78,23 @@ fn compact_moves_idle_pages_between_streams_once_their_event_completed() {
 fn compact_maps_another_streams_idle_pages_again_with_their_contents() {
     let a = allocator("policy:compact");
     let (s1, s2) = (0x7400usize, 0x7500usize);
-    let p = a.malloc(4 * MIB, s1).unwrap();
-    // SAFETY: the fake maps device memory into this process; [p, p + 4 MiB) was allocated
-    // above and is read-write.
-    unsafe { std::ptr::write_bytes(p as *mut u8, 0x5a, 4 * MIB) };
-    a.free(p, Some(s1)).unwrap();
+    // Two idle 2 MiB blocks of s1 kept apart by a live one: none is large enough to lend
+    // for 4 MiB, so s2 takes their pages.
+    let p1 = a.malloc(2 * MIB, s1).unwrap();
+    let x = a.malloc(2 * MIB, s1).unwrap();
+    let p2 = a.malloc(2 * MIB, s1).unwrap();
+    for p in [p1, p2] {
+        // SAFETY: the fake maps device memory into this process; [p, p + 2 MiB) was
+        // allocated above and is read-write.
+        unsafe { std::ptr::write_bytes(p as *mut u8, 0x5a, 2 * MIB) };
+        a.free(p, Some(s1)).unwrap();
+    }
     let q = a.malloc(4 * MIB, s2).unwrap();
-    assert_ne!(q, p, "another stream's range");
-    assert_eq!(a.stats().reserved_bytes[0].current, 4 << 20);
+    assert!(
+        q + 4 * MIB <= p1 || q >= p2 + 2 * MIB,
+        "another stream's range"
+    );
+    assert_eq!(a.stats().reserved_bytes[0].current, 6 << 20);
     // SAFETY: [q, q + 4 MiB) was allocated above and is read-write.
     let bytes = unsafe { std::slice::from_raw_parts(q as *const u8, 4 * MIB) };
     assert!(
@@ -93,6 +102,7 @@ fn compact_maps_another_streams_idle_pages_again_with_their_contents() {
         "the same physical pages, mapped again rather than released and created anew"
     );
     a.free(q, Some(s2)).unwrap();
+    a.free(x, Some(s1)).unwrap();
 }
 
 #[test]
