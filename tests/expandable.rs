@@ -264,6 +264,19 @@ fn compact_lends_an_idle_free_block_of_another_stream_instead_of_growing() {
 }
 
 #[test]
+fn compact_lends_the_best_fitting_idle_block_of_all_streams() {
+    let (_sim, a) = setup(1 << 30, "policy:compact");
+    let (s1, s2, s3) = (unique_stream(), unique_stream(), unique_stream());
+    let loose = a.malloc(30 * MIB, s1).unwrap();
+    let snug = a.malloc(20 * MIB, s2).unwrap();
+    a.free(loose, Some(s1)).unwrap();
+    a.free(snug, Some(s2)).unwrap();
+    let q = a.malloc(20 * MIB, s3).unwrap();
+    assert_eq!(q, snug, "s2's 20 MiB block, not s1's 30 MiB one");
+    a.free(q, Some(s3)).unwrap();
+}
+
+#[test]
 fn compact_does_not_lend_a_block_much_larger_than_the_request() {
     let (_sim, a) = setup(1 << 30, "policy:compact");
     let (s1, s2) = (unique_stream(), unique_stream());

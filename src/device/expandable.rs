@@ -175,23 +175,34 @@ impl ShardInner {
         max_split_size: usize,
         non_split_rounding: usize,
     ) -> Option<u32> {
+        let (_, id) = self.idle_fit(pool, rounded, max_split_size, non_split_rounding)?;
+        self.remove_free(id);
+        Some(id)
+    }
+
+    /// The size and id of the block [`ShardInner::take_idle_fit`] would take, left in place.
+    pub fn idle_fit(
+        &self,
+        pool: PoolKind,
+        rounded: usize,
+        max_split_size: usize,
+        non_split_rounding: usize,
+    ) -> Option<(usize, u32)> {
         let upto = self.exp.idle_upto;
         let index = self.free_index(pool);
         let mut from = (rounded, 0, 0);
         for _ in 0..LEND_CANDIDATES {
             let (size, addr, id) = index.first_at_least(from)?;
-            // Larger blocks break the oversize rules too once one does.
-            if !block_fits(size, rounded, max_split_size, non_split_rounding) {
-                return None;
-            }
-            // A block more than twice the request stays whole for its own stream: lending
-            // it would leave a large remainder of one stream split off for another.
-            if size > rounded.saturating_mul(2) {
+            // Larger blocks break the oversize rules too once one does; a block more than
+            // twice the request stays whole for its own stream (lending it would leave a
+            // large remainder of one stream split off for another).
+            if !block_fits(size, rounded, max_split_size, non_split_rounding)
+                || size > rounded.saturating_mul(2)
+            {
                 return None;
             }
             if self.blocks[id as usize].freed_at <= upto {
-                self.remove_free(id);
-                return Some(id);
+                return Some((size, id));
             }
             from = (size, addr + 1, 0);
         }

@@ -187,6 +187,9 @@ impl DeviceAllocator {
         if self.graph.capturing() {
             return None;
         }
+        // The best fit over all streams: each looked at under its own lock alone (completing
+        // its events may settle statistics, which locks shards), then the best taken.
+        let mut best: Option<(usize, &Shard)> = None;
         for other in self.shards.iter() {
             // Read without the other shard's lock: a stale look only skips a shard or locks
             // one for nothing.
@@ -208,23 +211,31 @@ impl DeviceAllocator {
                 self.process_events(other, &mut inner);
             }
             self.refresh_idle(other, &mut inner);
-            let Some(id) =
-                inner.take_idle_fit(pool, rounded, self.max_split_size, self.non_split_rounding)
-            else {
-                continue;
-            };
-            let addr = inner.allocate(
-                id,
-                rounded,
-                size,
-                self.max_split_size,
-                false,
-                &mut self.op_sink(other),
-            );
-            inner.block_mut(id).stream_uses.push(stream);
-            return Some(addr);
+            if let Some((size, _)) =
+                inner.idle_fit(pool, rounded, self.max_split_size, self.non_split_rounding)
+            {
+                if best.is_none_or(|(b, _)| size < b) {
+                    best = Some((size, other));
+                }
+                if size == rounded {
+                    break;
+                }
+            }
         }
-        None
+        let other = best?.1;
+        let mut inner = other.inner.try_lock()?;
+        let id =
+            inner.take_idle_fit(pool, rounded, self.max_split_size, self.non_split_rounding)?;
+        let addr = inner.allocate(
+            id,
+            rounded,
+            size,
+            self.max_split_size,
+            false,
+            &mut self.op_sink(other),
+        );
+        inner.block_mut(id).stream_uses.push(stream);
+        Some(addr)
     }
 
     /// Settles the overdrafts that shards only marked, under `shard`'s lock.
