@@ -172,10 +172,10 @@ impl DeviceAllocator {
     }
 
     /// Before `shard`'s stream grows for `size` bytes (`rounded` in `pool`): allocates the
-    /// best-fitting idle free block of the other streams instead, marked as used by `stream` (as `record_stream`
-    /// would), so that when it is freed it returns to its own stream's pool only after the
-    /// work queued on `stream` completes. Never waits: a busy shard is skipped. The caller
-    /// holds no shard lock. Returns the address.
+    /// best-fitting idle free block of the other streams instead, marked as used by `stream`
+    /// (as `record_stream` would), so that when it is freed it returns to its own stream's
+    /// pool only after the work queued on `stream` completes. Never waits: a busy shard is
+    /// skipped. The caller holds no shard lock. Returns the address.
     pub(super) fn lend(
         &self,
         shard: &Shard,
