@@ -207,29 +207,27 @@ impl Reservation {
         Ok(())
     }
 
-    /// Records `[addr, addr + size)` (checked unmapped) as mapped by allocations of `each`
-    /// bytes (the last one the rest), numbered from `handle`.
+    /// Records `[addr, addr + size)` (checked unmapped) as mapped by `allocations`, (handle,
+    /// bytes) back to back from `addr`.
     #[inline]
-    fn map(&mut self, start: u64, addr: u64, size: u64, each: u64, handle: u64) {
+    fn map(
+        &mut self,
+        start: u64,
+        addr: u64,
+        size: u64,
+        allocations: impl IntoIterator<Item = (u64, u64)>,
+    ) {
         let first = Self::page(start, addr);
         let end = first + size.div_ceil(SIM_GRANULARITY as u64) as usize;
-        self.cover(end);
-        let (mut at, mut left, mut handle) = (first, size, handle);
-        while left > 0 {
-            let size = each.min(left);
-            at = self.place(at, handle, size);
-            (left, handle) = (left - size, handle + 1);
-        }
-        debug_assert_eq!(at, end);
-        self.mapped += size;
-    }
-
-    /// Makes [`Reservation::pages`] reach page `end`.
-    #[inline]
-    fn cover(&mut self, end: usize) {
         if self.pages.len() < end {
             self.pages.resize(end, Page::Unmapped);
         }
+        let mut at = first;
+        for (handle, bytes) in allocations {
+            at = self.place(at, handle, bytes);
+        }
+        debug_assert_eq!(at, end);
+        self.mapped += size;
     }
 
     /// Records allocation `handle` of `size` bytes as mapped from page `at` (covered and
@@ -484,7 +482,12 @@ impl SimDevice {
         let first = st.vmm.next_handle + 1;
         let count = size.div_ceil(handle);
         st.vmm.next_handle += count;
-        range.map(start, addr, size, handle, first);
+        range.map(
+            start,
+            addr,
+            size,
+            (0..count).map(|k| (first + k, handle.min(size - k * handle))),
+        );
         handles.extend((first..first + count).map(PhysHandle));
         Ok(())
     }
@@ -582,16 +585,12 @@ impl SimDevice {
         };
         range.check_unmapped(start, addr, size)?;
         self.make_accessible(addr, size)?;
-        let (first, end) = (
-            Reservation::page(start, addr),
-            Reservation::page(start, addr + size),
+        range.map(
+            start,
+            addr,
+            size,
+            maps.iter().map(|&(l, h)| (h.0, l as u64)),
         );
-        range.cover(end);
-        let mut at = first;
-        for &(l, h) in maps {
-            at = range.place(at, h.0, l as u64);
-        }
-        range.mapped += size;
         if is_tail {
             let left = st.vmm.kept.len() - maps.len();
             st.vmm.kept.truncate(left);
