@@ -313,14 +313,11 @@ impl ShardStats {
     /// statistics whose limit is below their `top` (a bit per statistic, for
     /// [`ShardStats::take_spare`]). The caller holds the settle lock and the shard's lock.
     pub fn raise_top_wanted(&self) -> u32 {
-        // `need` for every statistic, with the overdraft mask read once.
+        // The overdraft mask read once for every statistic.
         let over = self.over.load(Relaxed);
         let mut wanted = 0;
         for (i, cell) in self.cells.iter().enumerate() {
-            let mut need = cell.current.load(Relaxed);
-            if over & (1 << i) != 0 {
-                need = need.max(self.high[i].load(Relaxed));
-            }
+            let need = self.need_in(over, i);
             let top = &self.top[i];
             let mut t = top.load(Relaxed);
             if need > t {
@@ -415,8 +412,14 @@ impl ShardStats {
     /// What statistic `index` needs as its limit: its current value, or its highest value
     /// while unsettled.
     fn need(&self, index: usize) -> i64 {
+        self.need_in(self.over.load(Relaxed), index)
+    }
+
+    /// [`ShardStats::need`] with the overdraft mask `over` already read.
+    #[inline(always)]
+    fn need_in(&self, over: u32, index: usize) -> i64 {
         let current = self.cells[index].current.load(Relaxed);
-        if self.over.load(Relaxed) & (1 << index) != 0 {
+        if over & (1 << index) != 0 {
             current.max(self.high[index].load(Relaxed))
         } else {
             current
