@@ -166,21 +166,8 @@ const LEND_CANDIDATES: usize = 32;
 impl ShardInner {
     /// The best-fitting free block of `pool` for `rounded` bytes, at most twice as large,
     /// whose memory is idle (an event recorded on this shard's stream after its free has
-    /// completed), taken out of its free index: a block another stream may use
-    /// (`policy:compact`). Looks at a few candidates only.
-    pub fn take_idle_fit(
-        &mut self,
-        pool: PoolKind,
-        rounded: usize,
-        max_split_size: usize,
-        non_split_rounding: usize,
-    ) -> Option<u32> {
-        let (_, id) = self.idle_fit(pool, rounded, max_split_size, non_split_rounding)?;
-        self.remove_free(id);
-        Some(id)
-    }
-
-    /// The size and id of the block [`ShardInner::take_idle_fit`] would take, left in place.
+    /// completed), with its size: a block another stream may use (`policy:compact`). It stays
+    /// in its free index. Looks at a few candidates only.
     pub fn idle_fit(
         &self,
         pool: PoolKind,

@@ -202,9 +202,7 @@ impl DeviceAllocator {
             let Some(mut inner) = other.inner.try_lock() else {
                 continue;
             };
-            if inner.exp.segments.is_empty()
-                || self.driver.stream_capturing(other.stream).unwrap_or(false)
-            {
+            if !self.tracks_idle(other, &inner) {
                 continue;
             }
             if !inner.pending.is_empty() {
@@ -224,8 +222,9 @@ impl DeviceAllocator {
         }
         let other = best?.1;
         let mut inner = other.inner.try_lock()?;
-        let id =
-            inner.take_idle_fit(pool, rounded, self.max_split_size, self.non_split_rounding)?;
+        let (_, id) =
+            inner.idle_fit(pool, rounded, self.max_split_size, self.non_split_rounding)?;
+        inner.remove_free(id);
         let addr = inner.allocate(
             id,
             rounded,
@@ -362,10 +361,7 @@ impl DeviceAllocator {
         keep: u32,
         spare: &mut Vec<(usize, PhysHandle)>,
     ) -> usize {
-        if inner.exp.segments.is_empty()
-            || self.free_mapped(shard) < MIN_RECLAIM
-            || self.driver.stream_capturing(shard.stream).unwrap_or(false)
-        {
+        if self.free_mapped(shard) < MIN_RECLAIM || !self.tracks_idle(shard, inner) {
             return 0;
         }
         self.refresh_idle(shard, inner);
@@ -397,6 +393,13 @@ impl DeviceAllocator {
             );
         }
         report.bytes
+    }
+
+    /// Whether idle memory of `shard` may be looked for: it has expandable segments, and its
+    /// stream is not being captured (no event may be recorded on it then).
+    fn tracks_idle(&self, shard: &Shard, inner: &ShardInner) -> bool {
+        !inner.exp.segments.is_empty()
+            && !self.driver.stream_capturing(shard.stream).unwrap_or(false)
     }
 
     /// Advances what is known idle on `shard`'s stream: collects its batch event if it has
