@@ -857,8 +857,8 @@ impl Driver for CudaDriver {
             ));
         }
         self.in_device(device, || {
-            // Releases allocations this call created and that are mapped nowhere.
-            // Each was created by this call and is mapped nowhere; an error only leaks it.
+            // Releases the allocations this call created, mapped nowhere (an error only leaks
+            // one).
             let release_all = |made: &[(usize, PhysHandle)]| {
                 for &(_, h) in made {
                     let _ = release(h);
