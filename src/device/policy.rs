@@ -110,14 +110,13 @@ impl DeviceAllocator {
         grown
     }
 
-    /// Whether mapping `need` more bytes keeps the device within the most it has reserved
-    /// (and within its memory limit, if one is set).
+    /// Whether mapping `need` more bytes keeps the device within the most it has reserved.
+    /// (A growth past the memory limit never gets here: `check_limit` refuses it first.)
     fn under_high(&self, need: usize) -> bool {
         let after = self
             .total_current(stats::aggregate(StatKind::ReservedBytes))
             .saturating_add(need as i64);
         after <= self.reserved_high.load(Relaxed)
-            && self.limit.bytes().is_none_or(|limit| after as u64 <= limit)
     }
 
     /// One try of [`Self::grow`], taking idle pages of every stream first when `reclaim`.
