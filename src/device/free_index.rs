@@ -8,8 +8,9 @@
 //! blocks the pool holds.
 //!
 //! Other sizes (the large pool's) go to size classes, 64 per power of two, also found through
-//! a two-level bitmap; each class keeps its keys in order, in a sorted vector while few (a
-//! vector beats a B-tree several times over at a handful of keys), in a B-tree when thousands
+//! a two-level bitmap; each class keeps its keys in order, in a vector sorted largest first
+//! while few (a vector beats a B-tree several times over at a handful of keys, and the best
+//! fit then comes off its end), in a B-tree when thousands
 //! of blocks fall into one class (logarithmic updates win), switching between the two with
 //! hysteresis. Classes are ordered as sizes are, so the first key at or above a key is in that
 //! key's class or is the first key of the next class in use: a search or an update touches
@@ -425,7 +426,10 @@ impl Classes {
     }
 }
 
-/// Keys in order: a sorted vector while few, a B-tree when many.
+/// Keys in order: a vector while few, a B-tree when many. The vector is sorted from the
+/// largest key down, so that the smallest key (the best fit when the class is reached from
+/// below, and the block a cached pair takes and gives back) is at its end: taking it and
+/// putting it back move no other key.
 enum Ordered {
     Sorted(Vec<Key>),
     Tree(BTreeSet<Key>),
@@ -450,10 +454,10 @@ impl Ordered {
     fn insert(&mut self, key: Key) {
         match self {
             Ordered::Sorted(v) => {
-                if v.last().is_none_or(|last| *last < key) {
+                if v.last().is_none_or(|last| *last > key) {
                     v.push(key);
                 } else {
-                    let at = v.partition_point(|k| *k < key);
+                    let at = v.partition_point(|k| *k > key);
                     v.insert(at, key);
                 }
                 if v.len() > PROMOTE {
@@ -473,7 +477,7 @@ impl Ordered {
                 v.pop();
                 true
             }
-            Ordered::Sorted(v) => match v.binary_search(key) {
+            Ordered::Sorted(v) => match v.binary_search_by(|k| key.cmp(k)) {
                 Ok(at) => {
                     v.remove(at);
                     true
@@ -484,7 +488,7 @@ impl Ordered {
                 let removed = t.remove(key);
                 if t.len() < DEMOTE {
                     let mut v = Vec::with_capacity(PROMOTE);
-                    v.extend(t.iter().copied());
+                    v.extend(t.iter().rev().copied());
                     *self = Ordered::Sorted(v);
                 }
                 removed
@@ -497,8 +501,9 @@ impl Ordered {
     fn find(&self, from: Key) -> Option<(Key, Option<usize>)> {
         match self {
             Ordered::Sorted(v) => {
-                let at = v.partition_point(|k| *k < from);
-                v.get(at).map(|&key| (key, Some(at)))
+                // Keys at or above `from` come first; the last of them is the smallest.
+                let at = v.partition_point(|k| *k >= from).checked_sub(1)?;
+                Some((v[at], Some(at)))
             }
             Ordered::Tree(t) => t.range(from..).next().map(|&key| (key, None)),
         }
@@ -508,14 +513,18 @@ impl Ordered {
     #[inline]
     fn first(&self) -> (Key, Option<usize>) {
         match self {
-            Ordered::Sorted(v) => (v[0], Some(0)),
+            Ordered::Sorted(v) => {
+                let at = v.len() - 1;
+                (v[at], Some(at))
+            }
             Ordered::Tree(t) => (*t.first().expect("a class in use is not empty"), None),
         }
     }
 
+    /// The keys, smallest first.
     fn iter(&self) -> Box<dyn Iterator<Item = Key> + '_> {
         match self {
-            Ordered::Sorted(v) => Box::new(v.iter().copied()),
+            Ordered::Sorted(v) => Box::new(v.iter().rev().copied()),
             Ordered::Tree(t) => Box::new(t.iter().copied()),
         }
     }
