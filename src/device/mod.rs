@@ -560,11 +560,12 @@ impl DeviceAllocator {
         if collect && self.gc_threshold > 0.0 && !self.capture_blocks(stream) {
             self.collect_garbage(shard, inner, seg);
         }
+        // The claims are released when this returns: after the growth is counted.
         if let Some(layout) = layout {
-            self.check_limit(rounded)?;
+            let _claim = self.check_limit(rounded)?;
             return self.grow(shard, inner, layout, pool, rounded);
         }
-        self.check_limit(seg)?;
+        let _claim = self.check_limit(seg)?;
         let addr = self.driver.mem_alloc(self.device, seg)?;
         DeviceCounters::bump(&self.counters.num_device_alloc);
         self.note(Action::SegmentAlloc, addr, seg, shard.stream);
