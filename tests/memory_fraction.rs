@@ -206,6 +206,12 @@ fn threads_growing_at_once_never_take_the_device_past_the_fraction() {
         "the threads did not reach the limit together"
     );
     assert!(a.stats().num_ooms > 0, "no request met the limit");
+    // Reserved bytes never passed the limit either, and their peak says so exactly.
+    let peak = a.stats().reserved_bytes[0].peak;
+    assert!(
+        peak <= limit as i64,
+        "the reserved bytes peaked at {peak}, past the limit of {limit}"
+    );
     a.empty_cache().unwrap();
     assert_eq!(sim.used(0), 0);
     assert_eq!(a.stats().reserved_bytes[0].current, 0);
