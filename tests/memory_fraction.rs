@@ -160,3 +160,59 @@ fn memory_fraction_through_the_c_abi() {
     assert!(last_error().contains("live allocation"), "{}", last_error());
     assert_eq!(untouched, 7);
 }
+
+#[test]
+fn threads_growing_at_once_never_take_the_device_past_the_fraction() {
+    // Eight 20 MiB segments fit under the limit. Four threads on streams of their own each
+    // ask for 80 MiB at a time and empty the cache now and then, so new segments are asked
+    // for at the same moment on several streams; the device must never hold more than the
+    // limit, not even for an instant.
+    let (sim, a) = alloc(1024 * MIB);
+    let limit = 8 * 20 * MIB;
+    a.set_memory_fraction(limit as f64 / (1024 * MIB) as f64)
+        .unwrap();
+    let a = Arc::new(a);
+    let threads: Vec<_> = (0..4)
+        .map(|t| {
+            let a = a.clone();
+            std::thread::spawn(move || {
+                let stream = 0x5000 + t;
+                for round in 0..2000 {
+                    // 5 MiB requests: a new segment for every fourth. Some fail once the
+                    // limit is reached, as they should.
+                    let held: Vec<usize> = (0..16)
+                        .filter_map(|_| a.malloc(5 * MIB - 512 * (round % 7), stream).ok())
+                        .collect();
+                    for p in held {
+                        a.free(p, Some(stream)).unwrap();
+                    }
+                    if round % 3 == t % 3 {
+                        a.empty_cache().unwrap();
+                    }
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    let most = sim.most_used(0);
+    assert!(
+        most <= limit as u64,
+        "the device held {most} bytes at once, past the limit of {limit}"
+    );
+    assert!(
+        most > 4 * 20 * MIB as u64,
+        "the threads did not reach the limit together"
+    );
+    assert!(a.stats().num_ooms > 0, "no request met the limit");
+    // Reserved bytes never passed the limit either, and their peak says so exactly.
+    let peak = a.stats().reserved_bytes[0].peak;
+    assert!(
+        peak <= limit as i64,
+        "the reserved bytes peaked at {peak}, past the limit of {limit}"
+    );
+    a.empty_cache().unwrap();
+    assert_eq!(sim.used(0), 0);
+    assert_eq!(a.stats().reserved_bytes[0].current, 0);
+}

@@ -4,8 +4,14 @@
 //! set, caps the bytes reserved from the driver. It is checked before each new segment:
 //! a segment that would cross it fails like a driver out-of-memory (the cache is freed and the
 //! request retried, then it fails with a message that gives the limit).
+//!
+//! Streams grow under their own locks, so two threads may check at the same time. Each check
+//! therefore claims its bytes before it reads what is reserved, and keeps the claim until its
+//! growth is counted as reserved ([`LimitClaim`]): of two growths at once, the later claim
+//! sees the earlier one, as a claim or as reserved bytes, and together they stay within the
+//! limit.
 
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed, Ordering::SeqCst};
 
 use super::size::format_bytes;
 use super::stats::{self, StatKind};
@@ -21,6 +27,26 @@ pub(crate) struct MemoryLimit {
     fraction: AtomicU64,
     /// Bytes that may be reserved; [`UNLIMITED`] until a fraction is set.
     bytes: AtomicU64,
+    /// Bytes of growths that passed the check and are not counted as reserved yet.
+    claimed: AtomicU64,
+}
+
+/// Bytes a growth may add under the limit, held from the check until the growth is counted
+/// in the reserved statistics (drop it after that): growths on other streams count it
+/// meanwhile.
+pub(super) struct LimitClaim<'a> {
+    limit: &'a MemoryLimit,
+    bytes: u64,
+}
+
+impl Drop for LimitClaim<'_> {
+    fn drop(&mut self) {
+        if self.bytes > 0 {
+            // Sequentially consistent: a later claim that reads past this release also sees
+            // the reserved bytes counted before it.
+            self.limit.claimed.fetch_sub(self.bytes, SeqCst);
+        }
+    }
 }
 
 impl Default for MemoryLimit {
@@ -28,6 +54,7 @@ impl Default for MemoryLimit {
         MemoryLimit {
             fraction: AtomicU64::new(1.0f64.to_bits()),
             bytes: AtomicU64::new(UNLIMITED),
+            claimed: AtomicU64::new(0),
         }
     }
 }
@@ -61,22 +88,43 @@ impl DeviceAllocator {
         f64::from_bits(self.limit.fraction.load(Relaxed))
     }
 
-    /// Fails with out-of-memory when reserving `size` more bytes would cross the limit.
-    pub(super) fn check_limit(&self, size: usize) -> Result<()> {
+    /// Fails with out-of-memory when reserving `size` more bytes would cross the limit, counting
+    /// the growths other threads are making; otherwise returns the claim on those bytes, to be
+    /// dropped once the growth is counted as reserved (or has failed).
+    pub(super) fn check_limit(&self, size: usize) -> Result<LimitClaim<'_>> {
         let Some(limit) = self.limit.bytes() else {
-            return Ok(());
+            return Ok(LimitClaim {
+                limit: &self.limit,
+                bytes: 0,
+            });
+        };
+        let size = size as u64;
+        // Claimed before reserved bytes are read: a growth that released its claim before
+        // this one counted its bytes first, and this read sees them.
+        let others = self.limit.claimed.fetch_add(size, SeqCst);
+        let claim = LimitClaim {
+            limit: &self.limit,
+            bytes: size,
         };
         let reserved = self
             .total_current(stats::aggregate(StatKind::ReservedBytes))
             .max(0) as u64;
-        if reserved.saturating_add(size as u64) > limit {
+        if reserved.saturating_add(others).saturating_add(size) > limit {
+            let growing = if others > 0 {
+                format!(
+                    " ({} more are being reserved by other streams)",
+                    format_bytes(others)
+                )
+            } else {
+                String::new()
+            };
             return Err(Error::OutOfMemory(format!(
-                "a new segment of {} would take reserved memory past the limit of {}",
-                format_bytes(size as u64),
+                "a new segment of {} would take reserved memory past the limit of {}{growing}",
+                format_bytes(size),
                 format_bytes(limit)
             )));
         }
-        Ok(())
+        Ok(claim)
     }
 
     /// The limit's part of an out-of-memory message, when a fraction is set.

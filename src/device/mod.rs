@@ -31,7 +31,7 @@ pub mod stats;
 mod table;
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, AtomicI64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering::Relaxed, Ordering::SeqCst};
 use std::sync::Arc;
 
 use parking_lot::{MutexGuard, RwLock};
@@ -142,10 +142,12 @@ impl Drop for OpSink<'_> {
 }
 
 /// Holds the locks of every engaged shard ([`ShardStats::is_engaged`]) but one, whose lock
-/// the caller holds. The others hold no headroom and count as holding nothing until they
-/// mark an overdraft, which is settled after this settle (by its thread, or by the settle
-/// lock's holder once it has released that lock). The caller holds the settle lock, whose
-/// list of held shards grows only when more shards are engaged than ever before.
+/// the caller holds; a shard whose thread holds its lock and waits for the settle lock is
+/// settled in that thread's place instead ([`DeviceAllocator::lock_or_proxy`]). The other
+/// shards hold no headroom and count as holding nothing until they mark an overdraft, which
+/// is settled after this settle (by its thread, or by the settle lock's holder once it has
+/// released that lock). The caller holds the settle lock, whose list of held shards grows
+/// only when more shards are engaged than ever before.
 struct LockedShards<'a> {
     alloc: &'a DeviceAllocator,
     home: &'a Shard,
@@ -166,8 +168,7 @@ impl<'a> LockedShards<'a> {
             let before = held.len();
             for shard in alloc.shards.iter() {
                 if !shard.stats.held.load(Relaxed) && shard.stats.is_engaged() {
-                    std::mem::forget(shard.inner.lock_memo());
-                    shard.stats.held.store(true, Relaxed);
+                    alloc.lock_or_proxy(shard, std::mem::forget);
                     held.push(shard.index);
                 }
             }
@@ -188,6 +189,10 @@ impl Drop for LockedShards<'_> {
     fn drop(&mut self) {
         for shard in self.shards() {
             shard.stats.held.store(false, Relaxed);
+            if shard.stats.proxied.swap(false, Relaxed) {
+                // Settled on behalf of its thread, which holds its lock.
+                continue;
+            }
             if !std::ptr::eq(shard, self.home) {
                 // SAFETY: `lock` locked this shard, forgot the guard and listed it once in
                 // `held`, which is cleared below: this is its only unlock.
@@ -290,17 +295,19 @@ impl DeviceAllocator {
         }
     }
 
-    /// Settles statistics of `home` (whose lock the caller holds) that passed their limits,
-    /// unless another thread is settling: that thread then settles them too. Allocates only
-    /// when more shards are engaged than at any earlier settle; see [`stats`] for the two
-    /// ways of settling.
+    /// Settles statistics of `home` (whose lock the caller holds) that passed their limits.
+    /// When another thread is settling, waits for it holding `home`'s lock (that thread may
+    /// settle `home` meanwhile, in this thread's place). Allocates only when more shards are
+    /// engaged than at any earlier settle; see [`stats`] for the two ways of settling.
     #[cold]
     #[inline(never)]
     fn settle_peaks(&self, home: &Shard) {
         stats::before_settle_try();
         loop {
-            let Some(mut settle) = self.counters.settle.try_lock() else {
-                return;
+            let mut settle = match self.counters.settle.try_lock() {
+                Some(settle) => settle,
+                None if home.stats.is_over() => self.wait_to_settle(home),
+                None => return,
             };
             if !self.settle_from_donors(home, &mut settle.unowned) {
                 self.settle_all(home, &mut settle);
@@ -310,6 +317,36 @@ impl DeviceAllocator {
             if home.stats.engaged_alone() || !self.shards.iter().any(|s| s.stats.is_over()) {
                 return;
             }
+        }
+    }
+
+    /// Takes the settle lock for `home`, whose lock the caller holds and whose overdraft waits
+    /// to be settled: marked *waiting* meanwhile, so that the lock's holders settle `home` in
+    /// its place rather than wait for its lock ([`stats`]).
+    #[cold]
+    fn wait_to_settle(&self, home: &Shard) -> parking_lot::MutexGuard<'_, stats::SettleState> {
+        // Publishes the statistics this thread changed to a holder that sees the mark.
+        home.stats.waiting.store(true, SeqCst);
+        let settle = self.counters.settle.lock();
+        home.stats.waiting.store(false, Relaxed);
+        settle
+    }
+
+    /// Runs `locked` with `shard`'s lock, or marks the shard settled in its thread's place
+    /// when that thread holds the lock and waits for the settle lock, which the caller holds
+    /// ([`stats`]). Never waits for a waiting shard.
+    fn lock_or_proxy<'s>(&self, shard: &'s Shard, locked: impl FnOnce(MutexGuard<'s, ShardInner>)) {
+        loop {
+            if let Some(guard) = shard.inner.try_lock_memo() {
+                shard.stats.held.store(true, Relaxed);
+                return locked(guard);
+            }
+            if shard.stats.waiting.load(SeqCst) {
+                shard.stats.held.store(true, Relaxed);
+                shard.stats.proxied.store(true, Relaxed);
+                return;
+            }
+            std::thread::yield_now();
         }
     }
 
@@ -560,11 +597,12 @@ impl DeviceAllocator {
         if collect && self.gc_threshold > 0.0 && !self.capture_blocks(stream) {
             self.collect_garbage(shard, inner, seg);
         }
+        // The claims are released when this returns: after the growth is counted.
         if let Some(layout) = layout {
-            self.check_limit(rounded)?;
+            let _claim = self.check_limit(rounded)?;
             return self.grow(shard, inner, layout, pool, rounded);
         }
-        self.check_limit(seg)?;
+        let _claim = self.check_limit(seg)?;
         let addr = self.driver.mem_alloc(self.device, seg)?;
         DeviceCounters::bump(&self.counters.num_device_alloc);
         self.note(Action::SegmentAlloc, addr, seg, shard.stream);
@@ -997,11 +1035,10 @@ impl DeviceAllocator {
     /// Sets every peak to its current value.
     pub fn reset_peak_stats(&self) {
         let mut settle = self.counters.settle.lock();
-        let shards: Vec<&Shard> = self.shards.iter().collect();
-        let guards: Vec<_> = shards.iter().map(|s| s.inner.lock()).collect();
+        let (shards, guards) = self.lock_all_or_proxy();
         let stats: Vec<&ShardStats> = shards.iter().map(|s| &s.stats).collect();
         stats::reset_peaks(&self.counters, &mut settle.unowned, &stats);
-        drop(guards);
+        self.unlock_all(&shards, guards);
         drop(settle);
         self.settle_left_overdrafts();
     }
@@ -1010,8 +1047,7 @@ impl DeviceAllocator {
     /// (retries, OOMs, syncs, driver allocations and frees, invalid frees).
     pub fn reset_accumulated_stats(&self) {
         let settle = self.counters.settle.lock();
-        let shards: Vec<&Shard> = self.shards.iter().collect();
-        let guards: Vec<_> = shards.iter().map(|s| s.inner.lock()).collect();
+        let (shards, guards) = self.lock_all_or_proxy();
         for s in &shards {
             for c in &s.stats.cells {
                 c.reset_accumulated();
@@ -1028,9 +1064,32 @@ impl DeviceAllocator {
         ] {
             counter.store(0, Relaxed);
         }
-        drop(guards);
+        self.unlock_all(&shards, guards);
         drop(settle);
         self.settle_left_overdrafts();
+    }
+
+    /// Every shard, locked (its held memo allocation settled) or, when its thread waits for
+    /// the settle lock that the caller holds, proxied ([`DeviceAllocator::lock_or_proxy`]).
+    fn lock_all_or_proxy(&self) -> (Vec<&Shard>, Vec<MutexGuard<'_, ShardInner>>) {
+        let shards: Vec<&Shard> = self.shards.iter().collect();
+        let mut guards = Vec::with_capacity(shards.len());
+        for shard in &shards {
+            self.lock_or_proxy(shard, |mut guard| {
+                guard.settle_memo();
+                guards.push(guard);
+            });
+        }
+        (shards, guards)
+    }
+
+    /// Undoes [`DeviceAllocator::lock_all_or_proxy`].
+    fn unlock_all(&self, shards: &[&Shard], guards: Vec<MutexGuard<'_, ShardInner>>) {
+        for shard in shards {
+            shard.stats.held.store(false, Relaxed);
+            shard.stats.proxied.store(false, Relaxed);
+        }
+        drop(guards);
     }
 
     /// The segment that holds the live allocation containing `ptr` (its start or any byte

@@ -30,12 +30,17 @@
 //! locking anyone, and such shards are no longer *engaged*: a settle neither locks nor reads
 //! them. Every peak is the sum of its statistic's limits and its unowned headroom.
 //!
-//! Lock order: the settle lock, then shard locks. A thread that holds a shard lock only
-//! *tries* the settle lock; when another thread holds it, the overdraft is left marked on the
-//! shard, and the holder looks for marked overdrafts once more after releasing the settle
-//! lock (a sequentially consistent fence on both sides, on the marking side one per
-//! operation rather than per mark, makes sure one of the two sees the other) and settles
-//! them.
+//! Lock order: the settle lock, then shard locks. A thread that holds a shard lock and finds
+//! the settle lock taken waits for it *holding its shard lock*, so that its overdraft is
+//! settled against the other shards as they are while its own statistics stay at their
+//! highest (settling it later, after the other shards changed, could raise a peak past any
+//! total the device reached). It first marks the shard *waiting*; the holder of the settle
+//! lock, which never waits for a waiting shard's lock, settles such a shard in its place, as
+//! if it held its lock (*proxied*), since the waiting thread changes nothing meanwhile. An
+//! overdraft left marked by an operation that could not settle (one that marks only, under
+//! two shard locks) is looked for again by every holder after it releases the settle lock (a
+//! sequentially consistent fence on both sides, on the marking side one per operation rather
+//! than per mark, makes sure one of the two sees the other).
 
 use std::sync::atomic::{
     fence, AtomicBool, AtomicI64, AtomicU32, AtomicUsize, Ordering::Relaxed, Ordering::SeqCst,
@@ -201,6 +206,14 @@ pub(crate) struct ShardStats {
     /// Whether the settle in progress holds this shard's lock (read and written only by the
     /// holder of the settle lock).
     pub held: AtomicBool,
+    /// Whether the settle in progress reads and changes this shard on behalf of its thread,
+    /// which holds the shard's lock and waits for the settle lock ([`ShardStats::waiting`]).
+    /// Read and written only by the holder of the settle lock.
+    pub proxied: AtomicBool,
+    /// Whether this shard's thread holds the shard's lock and waits for the settle lock to
+    /// settle an overdraft: the shard changes nothing until then, so the holder of the settle
+    /// lock may settle it without its lock.
+    pub waiting: AtomicBool,
     /// The device's count of engaged shards ([`DeviceCounters`]' `engaged_shards`).
     engaged_shards: Arc<AtomicUsize>,
 }
@@ -216,6 +229,8 @@ impl ShardStats {
             top: std::array::from_fn(|_| AtomicI64::new(0)),
             engaged: AtomicBool::new(false),
             held: AtomicBool::new(false),
+            proxied: AtomicBool::new(false),
+            waiting: AtomicBool::new(false),
         }
     }
 }

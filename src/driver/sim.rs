@@ -122,6 +122,8 @@ struct SimDevice {
 
 struct DeviceState {
     used: u64,
+    /// The most `used` has been.
+    most_used: u64,
     /// Free ranges of the reservation: start -> length.
     free: BTreeMap<u64, u64>,
     /// Live allocations: start -> length.
@@ -298,6 +300,7 @@ impl SimDevice {
             backed,
             state: Mutex::new(DeviceState {
                 used: 0,
+                most_used: 0,
                 free,
                 live: HashMap::new(),
                 vmm: VmmState {
@@ -334,6 +337,7 @@ impl SimDevice {
         }
         st.live.insert(start, size);
         st.used += size;
+        st.most_used = st.most_used.max(st.used);
         Ok(start as usize)
     }
 
@@ -479,6 +483,7 @@ impl SimDevice {
         }
         self.make_accessible(addr, size)?;
         st.used += size;
+        st.most_used = st.most_used.max(st.used);
         let first = st.vmm.next_handle + 1;
         let count = size.div_ceil(handle);
         st.vmm.next_handle += count;
@@ -746,6 +751,13 @@ impl SimDriver {
     /// Bytes of device memory handed out on `device`.
     pub fn used(&self, device: usize) -> u64 {
         self.devices.get(device).map_or(0, |d| d.state.lock().used)
+    }
+
+    /// The most bytes of device memory handed out on `device` at any one time.
+    pub fn most_used(&self, device: usize) -> u64 {
+        self.devices
+            .get(device)
+            .map_or(0, |d| d.state.lock().most_used)
     }
 
     fn device(&self, device: usize) -> Result<&SimDevice> {
