@@ -307,6 +307,30 @@ impl ShardInner {
         None
     }
 
+    /// Bytes a growth for `rounded` bytes of `pool` maps ([`ShardInner::grow`] where it does
+    /// not take idle pages first): the unmapped part of the space [`ShardInner::find_space`]
+    /// finds, in whole pages, or `rounded` in whole pages when a new range is needed.
+    pub(super) fn bytes_to_map(&self, layout: &Layout, pool: PoolKind, rounded: usize) -> usize {
+        let page = layout.page[Layout::pool_index(pool)];
+        let Some(start) = self.find_space(pool, rounded) else {
+            return rounded.next_multiple_of(page);
+        };
+        let (mut left, mut cur, mut mapped) = (rounded, start, 0);
+        while left > 0 && cur != NONE {
+            let b = &self.blocks[cur as usize];
+            let piece = if b.state == State::Free {
+                b.size
+            } else {
+                let want = left.next_multiple_of(page).min(b.size);
+                mapped += want;
+                want
+            };
+            left -= left.min(piece);
+            cur = b.next;
+        }
+        mapped
+    }
+
     /// Reserves a new range for `pool` on `driver`: one unmapped block spanning it.
     fn reserve_range(
         &mut self,

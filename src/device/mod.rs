@@ -599,7 +599,7 @@ impl DeviceAllocator {
         }
         // The claims are released when this returns: after the growth is counted.
         if let Some(layout) = layout {
-            let _claim = self.check_limit(rounded)?;
+            let _claim = self.check_limit(inner.bytes_to_map(layout, pool, rounded))?;
             return self.grow(shard, inner, layout, pool, rounded);
         }
         let _claim = self.check_limit(seg)?;
