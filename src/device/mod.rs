@@ -336,17 +336,21 @@ impl DeviceAllocator {
     /// when that thread holds the lock and waits for the settle lock, which the caller holds
     /// ([`stats`]). Never waits for a waiting shard.
     fn lock_or_proxy<'s>(&self, shard: &'s Shard, locked: impl FnOnce(MutexGuard<'s, ShardInner>)) {
+        // Waits for the lock a little at a time (its holder may be in a driver call), looking
+        // in between for the mark of a thread that waits for the settle lock.
+        const GLANCE: std::time::Duration = std::time::Duration::from_micros(20);
         loop {
-            if let Some(guard) = shard.inner.try_lock_memo() {
-                shard.stats.held.store(true, Relaxed);
-                return locked(guard);
-            }
+            // A waiting thread holds its lock until it has the settle lock, which the caller
+            // holds: the mark cannot be stale.
             if shard.stats.waiting.load(SeqCst) {
                 shard.stats.held.store(true, Relaxed);
                 shard.stats.proxied.store(true, Relaxed);
                 return;
             }
-            std::thread::yield_now();
+            if let Some(guard) = shard.inner.try_lock_memo_for(GLANCE) {
+                shard.stats.held.store(true, Relaxed);
+                return locked(guard);
+            }
         }
     }
 

@@ -236,6 +236,14 @@ impl ShardLock {
         self.0.try_lock()
     }
 
+    /// [`ShardLock::lock_memo`] if the lock becomes free within `timeout`.
+    pub fn try_lock_memo_for(
+        &self,
+        timeout: std::time::Duration,
+    ) -> Option<MutexGuard<'_, ShardInner>> {
+        self.0.try_lock_for(timeout)
+    }
+
     /// Unlocks a lock whose guard was forgotten.
     ///
     /// # Safety
