@@ -333,6 +333,61 @@ fn exact_search_reaches_the_lower_bound_on_a_small_tight_case() {
 }
 
 #[test]
+fn a_lifetime_spanning_every_time_step_is_planned_by_every_algorithm() {
+    // One allocation lives from step 0 to the last representable one (its length does not
+    // fit in the type), among others that the greedy orders do not pack to the bound, so
+    // the search runs too.
+    let allocs: Vec<Allocation> = [
+        (4943, 3, 9),
+        (75, 7, 8),
+        (3559, 1, 8),
+        (2526, 4, 12),
+        (472, 6, 9),
+        (2879, 9, 17),
+        (3461, 8, 8),
+        (4312, 7, 14),
+        (4458, 0, u64::MAX),
+        (3222, 9, 10),
+        (4876, 7, 15),
+        (4742, 8, 12),
+        (4689, 5, 5),
+        (2710, 8, 15),
+        (2758, 0, 5),
+        (1936, 9, 9),
+        (2036, 9, 14),
+        (1792, 3, 10),
+        (1328, 3, 8),
+        (3371, 2, 3),
+        (2387, 7, 12),
+        (1759, 4, 12),
+        (2984, 1, 8),
+        (1088, 4, 4),
+        (4068, 2, 7),
+        (2192, 8, 10),
+        (1590, 6, 7),
+        (1463, 5, 8),
+        (118, 9, 14),
+        (3802, 9, 9),
+        (822, 1, 2),
+        (3530, 5, 7),
+        (1803, 2, 9),
+        (553, 8, 9),
+        (699, 8, 11),
+        (2223, 3, 7),
+        (119, 1, 4),
+    ]
+    .into_iter()
+    .map(|(size, first, last)| a(size, first, last))
+    .collect();
+    let bound = lower_bound(&allocs, 1).unwrap();
+    for algorithm in [Algorithm::Best, Algorithm::Pytorch, Algorithm::Exact] {
+        let p = plan_offsets(&allocs, 1, algorithm).unwrap();
+        validate(&allocs, &p, 1).unwrap();
+        assert!(p.arena_size >= bound, "{algorithm:?}");
+    }
+}
+
+#[test]
 fn the_validator_names_two_overlapping_live_allocations() {
     let allocs = [a(64, 0, 3), a(64, 2, 5)];
     let bad = OffsetPlan {

@@ -198,7 +198,7 @@ impl Instance {
             size,
             length: ids
                 .iter()
-                .map(|&i| p.last[i as usize] - p.first[i as usize] + 1)
+                .map(|&i| (p.last[i as usize] - p.first[i as usize]).saturating_add(1))
                 .collect(),
             ids,
             lo,
