@@ -88,17 +88,18 @@ impl DeviceAllocator {
         f64::from_bits(self.limit.fraction.load(Relaxed))
     }
 
-    /// Fails with out-of-memory when reserving `size` more bytes would cross the limit, counting
-    /// the growths other threads are making; otherwise returns the claim on those bytes, to be
-    /// dropped once the growth is counted as reserved (or has failed).
-    pub(super) fn check_limit(&self, size: usize) -> Result<LimitClaim<'_>> {
+    /// Fails with out-of-memory when reserving `size()` more bytes would cross the limit,
+    /// counting the growths other threads are making; otherwise returns the claim on those
+    /// bytes, to be dropped once the growth is counted as reserved (or has failed). `size` is
+    /// asked for only when a limit is set.
+    pub(super) fn check_limit(&self, size: impl FnOnce() -> usize) -> Result<LimitClaim<'_>> {
         let Some(limit) = self.limit.bytes() else {
             return Ok(LimitClaim {
                 limit: &self.limit,
                 bytes: 0,
             });
         };
-        let size = size as u64;
+        let size = size() as u64;
         // Claimed before reserved bytes are read: a growth that released its claim before
         // this one counted its bytes first, and this read sees them.
         let others = self.limit.claimed.fetch_add(size, SeqCst);

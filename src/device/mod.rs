@@ -601,12 +601,13 @@ impl DeviceAllocator {
         if collect && self.gc_threshold > 0.0 && !self.capture_blocks(stream) {
             self.collect_garbage(shard, inner, seg);
         }
-        // The claims are released when this returns: after the growth is counted.
+        // The claims are released when this returns: after the growth is counted. What a
+        // growth maps is worked out only when a limit is set.
         if let Some(layout) = layout {
-            let _claim = self.check_limit(inner.bytes_to_map(layout, pool, rounded))?;
+            let _claim = self.check_limit(|| inner.bytes_to_map(layout, pool, rounded))?;
             return self.grow(shard, inner, layout, pool, rounded);
         }
-        let _claim = self.check_limit(seg)?;
+        let _claim = self.check_limit(|| seg)?;
         let addr = self.driver.mem_alloc(self.device, seg)?;
         DeviceCounters::bump(&self.counters.num_device_alloc);
         self.note(Action::SegmentAlloc, addr, seg, shard.stream);
