@@ -309,7 +309,9 @@ impl DeviceAllocator {
                 None if home.stats.is_over() => self.wait_to_settle(home),
                 None => return,
             };
-            if !self.settle_from_donors(home, &mut settle.unowned) {
+            if home.stats.engaged_alone() {
+                home.stats.settle_alone(&self.counters, &mut settle.unowned);
+            } else if !self.settle_from_donors(home, &mut settle.unowned) {
                 self.settle_all(home, &mut settle);
             }
             drop(settle);
@@ -355,18 +357,14 @@ impl DeviceAllocator {
     }
 
     /// Covers `home`'s overdrafts with other shards' unused headroom, locking one donor at a
-    /// time and skipping donors whose lock is busy. Returns false when that was not enough,
+    /// time and skipping donors whose lock is busy (`home` is not engaged alone: another
+    /// shard may hold headroom). Returns false when that was not enough,
     /// or another shard has an overdraft waiting, so that every shard must be settled. The
     /// caller holds the settle lock and `home`'s lock.
     fn settle_from_donors(&self, home: &Shard, unowned: &mut Unowned) -> bool {
         let mut wanted = home.stats.raise_top_wanted();
         if wanted != 0 {
             wanted = home.stats.take_unowned(unowned, wanted);
-        }
-        if home.stats.engaged_alone() {
-            // No other shard holds headroom or an overdraft.
-            home.stats.clear_covered();
-            return !home.stats.is_over();
         }
         for donor in self.shards.iter() {
             if wanted == 0 {

@@ -324,6 +324,30 @@ impl ShardStats {
         true
     }
 
+    /// Settles this shard's overdrafts when it is the device's only engaged shard
+    /// ([`ShardStats::engaged_alone`]): what [`settle`] does for one shard, with the unowned
+    /// headroom taken first as [`ShardStats::take_unowned`] takes it. The caller holds the
+    /// settle lock and the shard's lock.
+    pub fn settle_alone(&self, counters: &DeviceCounters, unowned: &mut Unowned) {
+        let wanted = self.raise_top_wanted();
+        if wanted != 0 {
+            self.take_unowned(unowned, wanted);
+        }
+        let mut over = self.over.load(Relaxed);
+        while over != 0 {
+            let i = over.trailing_zeros() as usize;
+            over &= over - 1;
+            let limit = &self.cells[i].limit;
+            let deficit = self.need(i) - limit.load(Relaxed);
+            if deficit > 0 {
+                let missing = deficit - unowned.take(i, deficit, false);
+                limit.store(limit.load(Relaxed) + deficit, Relaxed);
+                counters.raise_peak(i, missing);
+            }
+        }
+        self.over.store(0, Relaxed);
+    }
+
     /// Records the current needs in `top`, before this shard settles, and returns the
     /// statistics whose limit is below their `top` (a bit per statistic, for
     /// [`ShardStats::take_spare`]). The caller holds the settle lock and the shard's lock.
@@ -369,6 +393,7 @@ impl ShardStats {
     /// settle lock and both shards' locks, and `donor` has no overdraft. Returns the
     /// statistics still wanting headroom; [`ShardStats::clear_covered`] then clears the
     /// overdrafts that are covered.
+    #[inline(always)]
     pub fn take_spare(&self, donor: &ShardStats, wanted: u32) -> u32 {
         debug_assert!(!donor.is_over());
         self.take_headroom(wanted, |i, short| {
@@ -483,7 +508,7 @@ pub(crate) fn settle<'a, I>(
             }
             let limit = &shard.cells[i].limit;
             limit.store(limit.load(Relaxed) + deficit, Relaxed);
-            counters.peak[i].fetch_add(missing, Relaxed);
+            counters.raise_peak(i, missing);
         }
         shard.over.store(0, Relaxed);
     }
@@ -611,5 +636,14 @@ impl Unowned {
 impl DeviceCounters {
     pub fn bump(counter: &AtomicI64) {
         counter.fetch_add(1, Relaxed);
+    }
+
+    /// Raises peak `i` by `by`. The caller holds the settle lock, under which alone peaks are
+    /// written, so a load and a store do (readers see one value or the other).
+    fn raise_peak(&self, i: usize, by: i64) {
+        if by != 0 {
+            let peak = &self.peak[i];
+            peak.store(peak.load(Relaxed) + by, Relaxed);
+        }
     }
 }
