@@ -259,8 +259,10 @@ typedef struct tensoralloc_plan_options {
   /**
    * Work units the search of `"default"` and `"exact"` may spend (allocations scanned,
    * sections checked, neighbours updated: roughly 10^8 a second on one core). 0 means the
-   * algorithm's default (20,000,000 for `"default"`, 4,000,000,000 for `"exact"`). The
-   * plan depends only on the input and this budget, never on the machine.
+   * algorithm's default (20,000,000 for `"default"`, 4,000,000,000 for `"exact"`).
+   * `"default"` spends all of it only on a plan at least 1/16 above the lower bound, and
+   * a share in proportion to the excess below that. The plan depends only on the input
+   * and this budget, never on the machine.
    */
   uint64_t work_budget;
   /**
@@ -611,7 +613,8 @@ void tensoralloc_host_reset_accumulated_stats(void);
  * `alignment` is a nonzero power of two (64 suits CPU and GPU tensors). `algorithm` is NULL
  * or `"default"` (the best plan tensoralloc finds: never larger than `"pytorch"`'s; when no
  * greedy order meets the lower bound, a search of up to 20,000,000 work units, a fraction of
- * a second), `"pytorch"` (PyTorch's profiling-allocator plan: time order, best fit among
+ * a second, the whole budget only for a plan at least 1/16 above the bound and a share in
+ * proportion to its excess below that), `"pytorch"` (PyTorch's profiling-allocator plan: time order, best fit among
  * free gaps), `"greedy-by-size"`, `"greedy-by-breadth"`, `"greedy-by-area"`,
  * `"greedy-by-lifetime"`, `"greedy-by-time"` (one greedy placement each),
  * `"best"` (same as the default) or `"exact"` (a canonical search with a budget of

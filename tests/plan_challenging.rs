@@ -49,6 +49,31 @@ fn exact_proves_the_lower_bound_optimal_on_every_instance_where_it_is_reachable(
     }
 }
 
+/// The default refines a plan with a share of its budget in proportion to how far the plan
+/// is above the lower bound: instance A under a block live throughout, a thousand times A's
+/// bound, keeps A's excess in bytes, which is then a few hundred-thousandths of the bound.
+#[test]
+fn the_default_spends_little_refining_a_plan_close_to_the_lower_bound() {
+    let work = 20_000_000;
+    let alone = plan_offsets_with(&instance("A"), 1, Algorithm::Best, &budget(work)).unwrap();
+    assert!(alone.work > work / 2, "A alone: {} units", alone.work);
+    let mut allocs = instance("A");
+    let end = allocs.iter().map(|a| a.last_use).max().unwrap();
+    allocs.push(Allocation::new(
+        1000 * lower_bound(&allocs, 1).unwrap(),
+        0,
+        end,
+    ));
+    let bound = lower_bound(&allocs, 1).unwrap();
+    let out = plan_offsets_with(&allocs, 1, Algorithm::Best, &budget(work)).unwrap();
+    validate(&allocs, &out.plan, 1).unwrap();
+    assert!(out.work < work / 100, "{} units", out.work);
+    assert!(out.plan.arena_size - bound < bound / 1000);
+    // `exact` still spends what it is given.
+    let exact = plan_offsets_with(&allocs, 1, Algorithm::Exact, &budget(work)).unwrap();
+    assert!(exact.work > work / 2, "exact: {} units", exact.work);
+}
+
 /// The default plan of every instance, computed once for the tests that read it.
 fn default_plans() -> &'static [PlanOutcome] {
     static PLANS: OnceLock<Vec<PlanOutcome>> = OnceLock::new();

@@ -170,8 +170,10 @@ pub fn plan_offsets(
 pub struct PlanOptions {
     /// Work units the search may spend (allocations scanned, sections checked, neighbours
     /// updated; roughly 10^8 a second on one core). `None`: 20,000,000 (`DEFAULT_BEST_WORK`)
-    /// for `Best`, 4,000,000,000 (`DEFAULT_EXACT_WORK`) for `Exact`. The plan depends only on
-    /// the input and this budget, never on the machine.
+    /// for `Best`, 4,000,000,000 (`DEFAULT_EXACT_WORK`) for `Exact`. `Best` spends all of it
+    /// only on a plan at least 1/16 above the lower bound, and a share in proportion to the
+    /// excess below that. The plan depends only on the input and this budget, never on the
+    /// machine.
     pub work_budget: Option<u64>,
     /// Wall-clock cap: the search stops early when it passes, so a plan under a time limit
     /// may differ between runs; leave `None` for reproducible plans.
