@@ -20,8 +20,10 @@ fn plan(allocs: &[Allocation], algorithm: &str) -> OffsetPlan {
 
 /// Greedy by size, as specified: by decreasing size, then decreasing lifetime, then first use
 /// and index, each allocation goes into the smallest gap (the lowest among equals) between the
-/// already placed allocations it is live with, or on top of them.
+/// already placed allocations it is live with, or on top of them; a tiny one (at most a
+/// 2^-20th of the lower bound), into the lowest gap that holds it.
 fn greedy_by_size_one_by_one(allocs: &[Allocation], alignment: u64) -> Vec<u64> {
+    let tiny = lower_bound(allocs, alignment).unwrap() >> 20;
     let size = |i: usize| allocs[i].size.div_ceil(alignment) * alignment;
     let mut order: Vec<usize> = (0..allocs.len()).filter(|&i| size(i) > 0).collect();
     order.sort_by_key(|&i| {
@@ -45,6 +47,9 @@ fn greedy_by_size_one_by_one(allocs: &[Allocation], alignment: u64) -> Vec<u64> 
         for (start, end) in neighbours {
             if start >= top + size(i) && best.is_none_or(|(gap, _)| start - top < gap) {
                 best = Some((start - top, top));
+                if size(i) <= tiny {
+                    break;
+                }
             }
             top = top.max(end);
         }
@@ -113,6 +118,21 @@ proptest! {
         .prop_map(|v| v.into_iter().map(|(size, first, len)| a(size, first, first + len)).collect::<Vec<_>>())) {
         let expected = greedy_by_size_one_by_one(&allocs, 64);
         prop_assert_eq!(plan(&allocs, "greedy-by-size").offsets, expected);
+    }
+
+    /// Large allocations and tiny ones, which come last in size order and take the lowest
+    /// gap that holds them.
+    #[test]
+    fn greedy_by_size_places_tiny_allocations_in_the_lowest_gap_that_holds_them(
+        allocs in prop::collection::vec((prop_oneof![1u64..200, (1u64 << 26)..(1u64 << 28)], 0u64..200, 0u64..40), 0..250)
+            .prop_map(|v| v.into_iter().map(|(size, first, len)| a(size, first, first + len)).collect::<Vec<_>>())
+    ) {
+        let expected = greedy_by_size_one_by_one(&allocs, 1);
+        let p = plan_offsets(&allocs, 1, Algorithm::GreedyBySize).unwrap();
+        prop_assert!(validate(&allocs, &p, 1).is_ok());
+        prop_assert_eq!(p.offsets, expected);
+        let best = plan_offsets_with(&allocs, 1, Algorithm::Best, &PlanOptions { work_budget: Some(200_000), time_limit: None }).unwrap();
+        prop_assert!(validate(&allocs, &best.plan, 1).is_ok());
     }
 
     #[test]
