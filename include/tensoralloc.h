@@ -620,7 +620,9 @@ void tensoralloc_host_reset_accumulated_stats(void);
  * `"best"` (same as the default) or `"exact"` (a canonical search with a budget of
  * 4,000,000,000 work units, about a minute at most; `tensoralloc_plan_offsets_ex` sets
  * another budget and says whether the plan is proven optimal). Plans are deterministic: the
- * same input gives the same plan on any machine.
+ * same input gives the same plan on any machine. For inputs of 4,096 or more nonzero
+ * allocations `"default"` runs on two threads for a few milliseconds (the calling thread
+ * and one it starts and joins before returning), one thread when no other can be started.
  *
  * On success writes `offsets[0..n]` (each a multiple of `alignment`) and `*arena_size` (the
  * largest offset + rounded size) and returns `TENSORALLOC_OK`. Returns

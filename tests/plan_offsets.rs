@@ -506,6 +506,32 @@ fn the_default_plan_is_within_two_percent_of_the_bound_on_model_traces() {
     }
 }
 
+/// PyTorch's plan, made on a second thread for large inputs, still wins where it is the best:
+/// a small case where it meets the lower bound and no greedy order does, repeated 700 times
+/// one after another (4,200 allocations).
+#[test]
+fn the_default_takes_pytorchs_plan_of_a_large_input_where_it_is_the_best() {
+    let case = [
+        (4, 1, 1),
+        (6, 1, 4),
+        (1, 1, 3),
+        (1, 0, 0),
+        (7, 0, 1),
+        (8, 3, 6),
+    ];
+    let allocs: Vec<Allocation> = (0..700u64)
+        .flat_map(|k| case.map(|(size, first, last)| a(size, first + 7 * k, last + 7 * k)))
+        .collect();
+    assert_eq!(lower_bound(&allocs, 1).unwrap(), 18);
+    let pytorch = plan_offsets(&allocs, 1, Algorithm::Pytorch).unwrap();
+    assert_eq!(pytorch.arena_size, 18);
+    let greedy = plan_offsets(&allocs, 1, Algorithm::GreedyBySize).unwrap();
+    assert!(greedy.arena_size > 18);
+    let best = plan_offsets(&allocs, 1, Algorithm::Best).unwrap();
+    validate(&allocs, &best, 1).unwrap();
+    assert_eq!(best.arena_size, 18);
+}
+
 #[test]
 fn thousands_of_allocations_live_together_are_stacked_without_gaps() {
     let allocs: Vec<Allocation> = (0..3000u64)
