@@ -136,51 +136,19 @@ impl Greedy {
     }
 
     /// Collects into `gathered` the byte ranges of the placed allocations live at some leaf of
-    /// `lo..hi` (tree indices): those live at leaf `lo` (`cover` of the nodes above it), and
-    /// those starting at a leaf of the range (`starts` of the nodes the range splits into).
+    /// `lo..hi` (tree indices), from the lists [`lists_of`] names.
     fn gather(&mut self, lo: usize, hi: usize) {
         self.gathered.clear();
-        let mut a = lo;
-        while a >= 1 {
-            self.gathered.extend_from_slice(self.lists.get(cover(a)));
-            a >>= 1;
-        }
-        let (mut l, mut h) = (lo + 1, hi);
-        while l < h {
-            if l & 1 == 1 {
-                self.gathered.extend_from_slice(self.lists.get(starts(l)));
-                l += 1;
-            }
-            if h & 1 == 1 {
-                h -= 1;
-                self.gathered.extend_from_slice(self.lists.get(starts(h)));
-            }
-            l >>= 1;
-            h >>= 1;
-        }
+        let (lists, gathered) = (&self.lists, &mut self.gathered);
+        lists_of(lo, hi, |list| gathered.extend_from_slice(lists.get(list)));
     }
 
-    /// Collects into `runs` where in the pool the lists that [`Greedy::gather`] reads lie.
+    /// Collects into `runs` where in the pool the nonempty lists that [`Greedy::gather`]
+    /// reads lie.
     fn gather_lists(&mut self, lo: usize, hi: usize) {
         self.runs.clear();
-        let mut a = lo;
-        while a >= 1 {
-            self.runs.extend(self.lists.range(cover(a)));
-            a >>= 1;
-        }
-        let (mut l, mut h) = (lo + 1, hi);
-        while l < h {
-            if l & 1 == 1 {
-                self.runs.extend(self.lists.range(starts(l)));
-                l += 1;
-            }
-            if h & 1 == 1 {
-                h -= 1;
-                self.runs.extend(self.lists.range(starts(h)));
-            }
-            l >>= 1;
-            h >>= 1;
-        }
+        let (lists, runs) = (&self.lists, &mut self.runs);
+        lists_of(lo, hi, |list| runs.extend(lists.range(list)));
     }
 
     /// Records an allocation placed at bytes `range`, live at leaf nodes `lo..hi`: in `cover`
@@ -265,6 +233,31 @@ fn first_fit(pool: &[(u64, u64)], runs: &mut Vec<(usize, usize)>, size: u64) -> 
         }
     }
     top
+}
+
+/// Calls `visit` with each list that holds the byte ranges of placed allocations live at some
+/// leaf of `lo..hi` (tree indices): those live at leaf `lo` (`cover` of the nodes above it),
+/// and those starting at a leaf of the range (`starts` of the nodes the range splits into).
+#[inline(always)]
+fn lists_of(lo: usize, hi: usize, mut visit: impl FnMut(usize)) {
+    let mut a = lo;
+    while a >= 1 {
+        visit(cover(a));
+        a >>= 1;
+    }
+    let (mut l, mut h) = (lo + 1, hi);
+    while l < h {
+        if l & 1 == 1 {
+            visit(starts(l));
+            l += 1;
+        }
+        if h & 1 == 1 {
+            h -= 1;
+            visit(starts(h));
+        }
+        l >>= 1;
+        h >>= 1;
+    }
 }
 
 fn cover(node: usize) -> usize {
