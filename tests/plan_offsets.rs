@@ -133,6 +133,12 @@ proptest! {
         prop_assert_eq!(p.offsets, expected);
         let best = plan_offsets_with(&allocs, 1, Algorithm::Best, &PlanOptions { work_budget: Some(200_000), time_limit: None }).unwrap();
         prop_assert!(validate(&allocs, &best.plan, 1).is_ok());
+        // Every order places its tiny allocations last, in the default's passes too.
+        for algorithm in Algorithm::all().into_iter().filter(|&a| a != Algorithm::Exact && a != Algorithm::Best) {
+            let p = plan_offsets(&allocs, 1, algorithm).unwrap();
+            prop_assert!(validate(&allocs, &p, 1).is_ok());
+            prop_assert!(best.plan.arena_size <= p.arena_size, "{}", algorithm.name());
+        }
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! The greedy placement pass behind every greedy order: allocations, in a given order, each go
 //! into the smallest gap (the lowest among equals) left by the already placed allocations they
-//! are live with, or on top of them; tiny ones (at most a 2^-20th of the lower bound) placed
-//! after every larger one into the lowest gap that holds them.
+//! are live with, or on top of them; tiny ones (at most a 2^-20th of the lower bound) after
+//! every larger one, into the lowest gap that holds them.
 //!
 //! Only the union of the placed neighbours' byte ranges matters, not the neighbours one by
 //! one, and greedy layouts pack tightly, so such unions are a few intervals where the
@@ -97,6 +97,20 @@ impl Greedy {
         self.lower_bound
     }
 
+    /// Moves the tiny allocations of `sequence` ([`TINY_SHIFT`]) after all the others, each
+    /// group in its own order, so that they take the lowest gap that holds them and leave
+    /// the gaps to the larger ones, as in size order.
+    pub(crate) fn defer_tiny(&self, p: &Problem, sequence: &mut Vec<u32>) {
+        if self.tiny == 0 {
+            return;
+        }
+        let (mut larger, tiny): (Vec<u32>, Vec<u32>) = sequence
+            .iter()
+            .partition(|&&i| p.sizes[i as usize] > self.tiny);
+        larger.extend(tiny);
+        *sequence = larger;
+    }
+
     /// The work of one pass measured as in a pairwise planner: pairs of allocations live
     /// together, plus allocations.
     pub(crate) fn work(&self) -> usize {
@@ -176,14 +190,14 @@ impl Greedy {
     }
 }
 
-/// Allocations of at most the lower bound's 2^-20th are tiny: placed after every larger one
-/// (as size orders place them), they take the lowest gap that holds them ([`first_fit`]).
-/// Real models have thousands of them (5,612 of the 10,744 allocations of MindSpore's
-/// BERT-large lifetimes hold 4 bytes), each of which best fit would compare against every
-/// busy range of its lifetime, most of a pass's time, while the lowest gap that holds one is
-/// usually among the first few ranges. Placed last, they can only crowd each other, and their
-/// bytes are too few to move the arena by more than a hair. (Placed among larger ones, as in
-/// time order, they could take the gap a larger one later needs.)
+/// Allocations of at most the lower bound's 2^-20th are tiny: every order places them after
+/// all larger ones ([`Greedy::defer_tiny`]), and placed after every larger one they take the
+/// lowest gap that holds them ([`first_fit`]). Real models have thousands of them (5,612 of
+/// the 10,744 allocations of MindSpore's BERT-large lifetimes hold 4 bytes), each of which
+/// best fit would compare against every busy range of its lifetime, most of a pass's time,
+/// while the lowest gap that holds one is usually among the first few ranges. Placed last,
+/// they can only crowd each other, and their bytes are too few to move the arena by more than
+/// a hair; placed among larger ones, they could take the gap a larger one later needs.
 const TINY_SHIFT: u32 = 20;
 
 /// The offset at which the greedy pass places `size` bytes among the busy byte ranges of

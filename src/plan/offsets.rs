@@ -4,6 +4,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::time::Instant;
 
 use super::canonical::Schedule;
@@ -135,6 +136,13 @@ impl Problem {
     /// sides. Unlike the original, equal-sized gaps do not replace each other and no entry is
     /// read after it is erased.
     pub(crate) fn pytorch(&self) -> OffsetPlan {
+        self.pytorch_unless(&AtomicBool::new(false))
+            .expect("never stopped")
+    }
+
+    /// [`Problem::pytorch`], or `None` once `stop` is set (looked at every few thousand
+    /// events).
+    fn pytorch_unless(&self, stop: &AtomicBool) -> Option<OffsetPlan> {
         let mut events: Vec<(u64, u8, u32)> = Vec::with_capacity(2 * self.len());
         for i in 0..self.len() {
             if self.sizes[i] > 0 {
@@ -147,7 +155,10 @@ impl Problem {
         let mut by_size: BTreeSet<(u64, u64)> = BTreeSet::new();
         let mut by_start: BTreeMap<u64, u64> = BTreeMap::new();
         let mut arena = 0u64;
-        for (_, kind, i) in events {
+        for (k, (_, kind, i)) in events.into_iter().enumerate() {
+            if k % 4096 == 0 && stop.load(Relaxed) {
+                return None;
+            }
             let i = i as usize;
             let size = self.sizes[i];
             if kind == 0 {
@@ -186,17 +197,19 @@ impl Problem {
                 by_size.insert((len, start));
             }
         }
-        OffsetPlan {
+        Some(OffsetPlan {
             offsets,
             arena_size: arena,
-        }
+        })
     }
 
     /// One greedy pass in the given order.
     pub(crate) fn greedy(&self, order: Order) -> OffsetPlan {
         let nonzero = self.nonzero();
-        let sequence = self.sequence(order, &nonzero);
-        Greedy::new(self).pass(self, &sequence)
+        let mut sequence = self.sequence(order, &nonzero);
+        let mut greedy = Greedy::new(self);
+        greedy.defer_tiny(self, &mut sequence);
+        greedy.pass(self, &sequence)
     }
 
     /// Indices of the allocations with a nonzero size, ascending.
@@ -353,14 +366,17 @@ impl Problem {
         let pass_work = greedy.work();
         let (mut best, pytorch) = if nonzero.len() >= PYTORCH_ALONGSIDE {
             // PyTorch's plan on a second thread while the greedy passes run: a few
-            // milliseconds on large inputs. (On one thread when none can be started.)
+            // milliseconds on large inputs, stopped when a greedy plan meets the bound. (On
+            // one thread when none can be started.)
+            let stop = AtomicBool::new(false);
             std::thread::scope(|scope| {
                 let pytorch = std::thread::Builder::new()
                     .name("tensoralloc-plan".into())
-                    .spawn_scoped(scope, || self.pytorch())
+                    .spawn_scoped(scope, || self.pytorch_unless(&stop))
                     .ok();
                 let best = self.greedy_orders(&mut greedy, &nonzero, exhaustive, pass_work);
-                let pytorch = pytorch.map(|t| {
+                stop.store(best.arena_size == bound, Relaxed);
+                let pytorch = pytorch.and_then(|t| {
                     t.join()
                         .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
                 });
@@ -406,7 +422,8 @@ impl Problem {
                 })
                 .collect();
             keyed.sort_unstable();
-            let sequence: Vec<u32> = keyed.into_iter().map(|(_, i)| i).collect();
+            let mut sequence: Vec<u32> = keyed.into_iter().map(|(_, i)| i).collect();
+            greedy.defer_tiny(self, &mut sequence);
             let plan = greedy.pass(self, &sequence);
             if plan.arena_size < best.arena_size {
                 best = plan;
@@ -440,7 +457,7 @@ fn refining_share(work: u64, excess: u64, bound: u64) -> u64 {
 impl Problem {
     /// The smallest plan of the greedy orders, in turn until one meets the lower bound (all
     /// of them with `exhaustive`; otherwise fewer on dense inputs, where `pass_work`, the work
-    /// of one pass, is large).
+    /// of one pass, is large), each placing tiny allocations last ([`Greedy::defer_tiny`]).
     fn greedy_orders(
         &self,
         greedy: &mut Greedy,
@@ -454,7 +471,8 @@ impl Problem {
             if k > 0 && !exhaustive && k * pass_work > BEST_GREEDY_WORK {
                 break;
             }
-            let sequence = self.sequence(order, nonzero);
+            let mut sequence = self.sequence(order, nonzero);
+            greedy.defer_tiny(self, &mut sequence);
             let plan = greedy.pass(self, &sequence);
             if best.as_ref().is_none_or(|b| plan.arena_size < b.arena_size) {
                 best = Some(plan);
