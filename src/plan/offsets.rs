@@ -215,10 +215,8 @@ impl Problem {
     /// One greedy pass in the given order.
     pub(crate) fn greedy(&self, order: Order) -> OffsetPlan {
         let nonzero = self.nonzero();
-        let mut sequence = self.sequence(order, &nonzero);
-        let mut greedy = Greedy::new(self);
-        greedy.defer_tiny(self, &mut sequence);
-        greedy.pass(self, &sequence)
+        let sequence = self.sequence(order, &nonzero);
+        Greedy::new(self).pass(self, &sequence)
     }
 
     /// Indices of the allocations with a nonzero size, ascending.
@@ -372,7 +370,6 @@ impl Problem {
         let mut greedy = Greedy::new(self);
         let bound = greedy.lower_bound();
         debug_assert_eq!(bound, self.lower_bound());
-        let pass_work = greedy.work();
         let (mut best, pytorch) = if nonzero.len() >= PYTORCH_ALONGSIDE {
             // PyTorch's plan on a second thread while the greedy passes run: a few
             // milliseconds on large inputs, stopped when a greedy plan meets the bound. (On
@@ -383,7 +380,7 @@ impl Problem {
                     .name("tensoralloc-plan".into())
                     .spawn_scoped(scope, || self.pytorch_unless(&stop))
                     .ok();
-                let best = self.greedy_orders(&mut greedy, &nonzero, exhaustive, pass_work, work);
+                let best = self.greedy_orders(&mut greedy, &nonzero, exhaustive, work);
                 stop.store(best.arena_size == bound, Relaxed);
                 let pytorch = pytorch.and_then(|t| {
                     t.join()
@@ -393,7 +390,7 @@ impl Problem {
             })
         } else {
             (
-                self.greedy_orders(&mut greedy, &nonzero, exhaustive, pass_work, work),
+                self.greedy_orders(&mut greedy, &nonzero, exhaustive, work),
                 None,
             )
         };
@@ -415,7 +412,7 @@ impl Problem {
         // Perturbed size orders: cheap, and often closer than any fixed order.
         let mut spent = 0u64;
         let mut rng = 0x2545_F491_4F6C_DD1Du64;
-        let pass_cost = pass_work as u64;
+        let pass_cost = greedy.work() as u64;
         let greedy_work = (work / 2).min(PERTURBED_PASSES * pass_cost);
         while best.arena_size > bound && spent + pass_cost <= greedy_work {
             spent += pass_cost;
@@ -431,8 +428,7 @@ impl Problem {
                 })
                 .collect();
             keyed.sort_unstable();
-            let mut sequence: Vec<u32> = keyed.into_iter().map(|(_, i)| i).collect();
-            greedy.defer_tiny(self, &mut sequence);
+            let sequence: Vec<u32> = keyed.into_iter().map(|(_, i)| i).collect();
             let plan = greedy.pass(self, &sequence);
             if plan.arena_size < best.arena_size {
                 best = plan;
@@ -453,20 +449,9 @@ impl Problem {
             work: spent + searched.work,
         }
     }
-}
 
-/// The work `Best` spends refining a plan `excess` bytes above the lower bound `bound`: all
-/// of `work` from an excess of `bound / BEST_FULL_EXCESS` up, in proportion below.
-fn refining_share(work: u64, excess: u64, bound: u64) -> u64 {
-    let full = u128::from(bound / BEST_FULL_EXCESS).max(1);
-    let share = u128::from(work) * u128::from(excess) / full;
-    share.min(u128::from(work)) as u64
-}
-
-impl Problem {
-    /// The smallest plan of the greedy orders, in turn until one meets the lower bound, each
-    /// placing tiny allocations last ([`Greedy::defer_tiny`]). All of them with `exhaustive`;
-    /// otherwise fewer on dense inputs, where `pass_work`, the work of one pass, is large:
+    /// The smallest plan of the greedy orders, in turn until one meets the lower bound. All of
+    /// them with `exhaustive`; otherwise fewer on dense inputs, where a pass's work is large:
     /// orders after the first while their passes add up to [`BEST_GREEDY_WORK`], or to the
     /// share of `work` that refining the best plan so far would get ([`refining_share`]), and
     /// the first [`BEST_FAR_ORDERS`] while the best plan is far above the bound
@@ -476,10 +461,10 @@ impl Problem {
         greedy: &mut Greedy,
         nonzero: &[u32],
         exhaustive: bool,
-        pass_work: usize,
         work: u64,
     ) -> OffsetPlan {
         let bound = greedy.lower_bound();
+        let pass_work = greedy.work();
         let mut best: Option<OffsetPlan> = None;
         for (k, order) in Order::ALL.into_iter().enumerate() {
             if let Some(b) = best.as_ref().filter(|_| !exhaustive) {
@@ -491,8 +476,7 @@ impl Problem {
                     break;
                 }
             }
-            let mut sequence = self.sequence(order, nonzero);
-            greedy.defer_tiny(self, &mut sequence);
+            let sequence = self.sequence(order, nonzero);
             let plan = greedy.pass(self, &sequence);
             if best.as_ref().is_none_or(|b| plan.arena_size < b.arena_size) {
                 best = Some(plan);
@@ -503,6 +487,14 @@ impl Problem {
         }
         best.expect("at least one greedy pass runs")
     }
+}
+
+/// The work `Best` spends refining a plan `excess` bytes above the lower bound `bound`: all
+/// of `work` from an excess of `bound / BEST_FULL_EXCESS` up, in proportion below.
+fn refining_share(work: u64, excess: u64, bound: u64) -> u64 {
+    let full = u128::from(bound / BEST_FULL_EXCESS).max(1);
+    let share = u128::from(work) * u128::from(excess) / full;
+    share.min(u128::from(work)) as u64
 }
 
 /// A plan for an input whose lower bound is `bound`, found with `work` units of search.
