@@ -325,7 +325,7 @@ impl ShardStats {
     }
 
     /// Settles this shard's overdrafts when it is the device's only engaged shard
-    /// ([`ShardStats::engaged_alone`]): what [`settle`] does for one shard, with the unowned
+    /// ([`ShardStats::engaged_alone`]): [`settle`] of this shard alone, with the unowned
     /// headroom taken first as [`ShardStats::take_unowned`] takes it. The caller holds the
     /// settle lock and the shard's lock.
     pub fn settle_alone(&self, counters: &DeviceCounters, unowned: &mut Unowned) {
@@ -333,19 +333,7 @@ impl ShardStats {
         if wanted != 0 {
             self.take_unowned(unowned, wanted);
         }
-        let mut over = self.over.load(Relaxed);
-        while over != 0 {
-            let i = over.trailing_zeros() as usize;
-            over &= over - 1;
-            let limit = &self.cells[i].limit;
-            let deficit = self.need(i) - limit.load(Relaxed);
-            if deficit > 0 {
-                let missing = deficit - unowned.take(i, deficit, false);
-                limit.store(limit.load(Relaxed) + deficit, Relaxed);
-                counters.raise_peak(i, missing);
-            }
-        }
-        self.over.store(0, Relaxed);
+        settle(counters, unowned, self, || std::iter::once(self));
     }
 
     /// Records the current needs in `top`, before this shard settles, and returns the
@@ -638,8 +626,8 @@ impl DeviceCounters {
         counter.fetch_add(1, Relaxed);
     }
 
-    /// Raises peak `i` by `by`. The caller holds the settle lock, under which alone peaks are
-    /// written, so a load and a store do (readers see one value or the other).
+    /// Raises peak `i` by `by`. Peaks are written only under the settle lock, which the
+    /// caller holds, so a load and a store do (readers see one value or the other).
     fn raise_peak(&self, i: usize, by: i64) {
         if by != 0 {
             let peak = &self.peak[i];
