@@ -163,6 +163,13 @@ pub(crate) enum Reclaim {
 /// How many free blocks a lending shard looks at, best fit first, for one whose free is idle.
 const LEND_CANDIDATES: usize = 32;
 
+/// What a growth still needing `left` bytes maps of an unmapped block of `size` bytes in
+/// pages of `page` bytes: what it needs in whole pages, at most the block
+/// ([`ShardInner::grow`], and [`ShardInner::bytes_to_map`] which counts it ahead).
+fn to_map(left: usize, page: usize, size: usize) -> usize {
+    left.next_multiple_of(page).min(size)
+}
+
 impl ShardInner {
     /// The best-fitting free block of `pool` for `rounded` bytes, at most twice as large,
     /// whose memory is idle (an event recorded on this shard's stream after its free has
@@ -321,7 +328,7 @@ impl ShardInner {
             let piece = if b.state == State::Free {
                 b.size
             } else {
-                let want = left.next_multiple_of(page).min(b.size);
+                let want = to_map(left, page, b.size);
                 mapped += want;
                 want
             };
@@ -418,7 +425,7 @@ impl ShardInner {
                 cur
             } else {
                 let page = self.exp.segments[self.blocks[cur as usize].exp as usize].page;
-                let want = left.next_multiple_of(page).min(size);
+                let want = to_map(left, page, size);
                 if let Err(e) = self.map_run(driver, device, layout, cur, want, stats, report) {
                     self.restore_free(first);
                     return Err(e);

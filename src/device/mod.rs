@@ -358,9 +358,9 @@ impl DeviceAllocator {
 
     /// Covers `home`'s overdrafts with other shards' unused headroom, locking one donor at a
     /// time and skipping donors whose lock is busy (`home` is not engaged alone: another
-    /// shard may hold headroom). Returns false when that was not enough,
-    /// or another shard has an overdraft waiting, so that every shard must be settled. The
-    /// caller holds the settle lock and `home`'s lock.
+    /// shard may hold headroom). Returns false when that was not enough, or another shard has
+    /// an overdraft waiting, so that every shard must be settled. The caller holds the settle
+    /// lock and `home`'s lock.
     fn settle_from_donors(&self, home: &Shard, unowned: &mut Unowned) -> bool {
         let mut wanted = home.stats.raise_top_wanted();
         if wanted != 0 {
