@@ -20,9 +20,10 @@ fn plan(allocs: &[Allocation], algorithm: &str) -> OffsetPlan {
 
 /// Greedy by size, as specified: by decreasing size, then decreasing lifetime, then first use
 /// and index, each allocation goes into the smallest gap (the lowest among equals) between the
-/// already placed allocations it is live with, or on top of them; a tiny one (at most a
-/// 2^-20th of the lower bound), into the lowest gap that holds it.
-fn greedy_by_size_one_by_one(allocs: &[Allocation], alignment: u64) -> Vec<u64> {
+/// already placed allocations it is live with, or on top of them; with `lowest` (first fit by
+/// size), and for a tiny one (at most a 2^-20th of the lower bound), into the lowest gap that
+/// holds it.
+fn greedy_by_size_one_by_one(allocs: &[Allocation], alignment: u64, lowest: bool) -> Vec<u64> {
     let tiny = lower_bound(allocs, alignment).unwrap() >> 20;
     let size = |i: usize| allocs[i].size.div_ceil(alignment) * alignment;
     let mut order: Vec<usize> = (0..allocs.len()).filter(|&i| size(i) > 0).collect();
@@ -47,7 +48,7 @@ fn greedy_by_size_one_by_one(allocs: &[Allocation], alignment: u64) -> Vec<u64> 
         for (start, end) in neighbours {
             if start >= top + size(i) && best.is_none_or(|(gap, _)| start - top < gap) {
                 best = Some((start - top, top));
-                if size(i) <= tiny {
+                if lowest || size(i) <= tiny {
                     break;
                 }
             }
@@ -116,8 +117,16 @@ proptest! {
     #[test]
     fn greedy_by_size_takes_the_smallest_gap_among_live_neighbours(allocs in prop::collection::vec((1u64..3000, 0u64..200, 0u64..40), 0..250)
         .prop_map(|v| v.into_iter().map(|(size, first, len)| a(size, first, first + len)).collect::<Vec<_>>())) {
-        let expected = greedy_by_size_one_by_one(&allocs, 64);
+        let expected = greedy_by_size_one_by_one(&allocs, 64, false);
         prop_assert_eq!(plan(&allocs, "greedy-by-size").offsets, expected);
+    }
+
+    /// First fit by size finds the lowest gap through the same tree, merging its lists.
+    #[test]
+    fn first_fit_by_size_takes_the_lowest_gap_among_live_neighbours(allocs in prop::collection::vec((prop_oneof![1u64..3000, (1u64 << 20)..(1u64 << 24)], 0u64..200, 0u64..40), 0..250)
+        .prop_map(|v| v.into_iter().map(|(size, first, len)| a(size, first, first + len)).collect::<Vec<_>>())) {
+        let expected = greedy_by_size_one_by_one(&allocs, 64, true);
+        prop_assert_eq!(plan(&allocs, "first-fit-by-size").offsets, expected);
     }
 
     /// Large allocations and tiny ones, which come last in size order and take the lowest
@@ -127,7 +136,7 @@ proptest! {
         allocs in prop::collection::vec((prop_oneof![1u64..200, (1u64 << 26)..(1u64 << 28)], 0u64..200, 0u64..40), 0..250)
             .prop_map(|v| v.into_iter().map(|(size, first, len)| a(size, first, first + len)).collect::<Vec<_>>())
     ) {
-        let expected = greedy_by_size_one_by_one(&allocs, 1);
+        let expected = greedy_by_size_one_by_one(&allocs, 1, false);
         let p = plan_offsets(&allocs, 1, Algorithm::GreedyBySize).unwrap();
         prop_assert!(validate(&allocs, &p, 1).is_ok());
         prop_assert_eq!(p.offsets, expected);
@@ -568,4 +577,52 @@ fn thousands_of_allocations_live_together_are_stacked_without_gaps() {
         .collect();
     let p = plan(&allocs, "default");
     assert_eq!(p.arena_size, allocs.iter().map(|x| x.size).sum::<u64>());
+}
+
+/// A dense input with sizes of every magnitude, as in graphs of sharded models: 15% of the
+/// 2,000 allocations live almost throughout, a fifth for up to 500 steps, the rest for up to
+/// 30, with sizes from 1 byte to 262 MB. Best fit in size order leaves slivers that nothing
+/// later fills (3.6% above the bound on this input); first fit by size comes within 0.7%,
+/// and the default takes it.
+#[test]
+fn the_default_packs_a_dense_input_of_mixed_magnitudes_by_first_fit() {
+    let mut state = 0x9E37_79B9_7F4A_7C15u64;
+    let mut next = |below: u64| {
+        state = state
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        (state >> 33) % below
+    };
+    let n = 2000u64;
+    let allocs: Vec<Allocation> = (0..n)
+        .map(|i| {
+            let (first, last) = match next(20) {
+                0..=2 => (next(n / 20), n - 1 - next(n / 20)),
+                3..=6 => (i, (i + 1 + next(n / 4)).min(n)),
+                _ => (i, (i + 1 + next(30)).min(n)),
+            };
+            let size = (1u64 << (2 * next(10))) * (1 + next(1000));
+            a(size, first, last)
+        })
+        .collect();
+    let bound = lower_bound(&allocs, 1).unwrap();
+    let above = |p: &OffsetPlan| (p.arena_size - bound) as f64 / bound as f64;
+    let by_size = plan_offsets(&allocs, 1, Algorithm::GreedyBySize).unwrap();
+    let first_fit = plan_offsets(&allocs, 1, Algorithm::FirstFitBySize).unwrap();
+    let best = plan_offsets(&allocs, 1, Algorithm::Best).unwrap();
+    validate(&allocs, &first_fit, 1).unwrap();
+    validate(&allocs, &best, 1).unwrap();
+    assert!(
+        above(&by_size) > 0.02,
+        "best fit by size: {}",
+        above(&by_size)
+    );
+    assert!(
+        above(&first_fit) < 0.01,
+        "first fit by size: {}",
+        above(&first_fit)
+    );
+    assert!(best.arena_size <= first_fit.arena_size);
+    // The other greedy orders and the refining that follows them come to 1.6% at best.
+    assert!(above(&best) < 0.01, "default: {}", above(&best));
 }

@@ -1,7 +1,8 @@
-//! The greedy placement pass behind every greedy order: allocations, in a given order, each go
-//! into the smallest gap (the lowest among equals) left by the already placed allocations they
-//! are live with, or on top of them; tiny ones (at most a 2^-20th of the lower bound) after
-//! every larger one, into the lowest gap that holds them.
+//! The greedy placement pass behind every greedy strategy: allocations, in a given order, each
+//! go into the smallest gap (the lowest among equals; best fit) or the lowest gap (first fit)
+//! left by the already placed allocations they are live with, or on top of them; tiny ones (at
+//! most a 2^-20th of the lower bound) after every larger one, into the lowest gap that holds
+//! them.
 //!
 //! Only the union of the placed neighbours' byte ranges matters, not the neighbours one by
 //! one, and greedy layouts pack tightly, so such unions are a few intervals where the
@@ -14,6 +15,15 @@
 //! whatever the number of neighbours.
 
 use super::{OffsetPlan, Problem};
+
+/// Which free gap the greedy pass puts an allocation in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Fit {
+    /// The smallest gap that holds it, the lowest among equals (best fit).
+    Smallest,
+    /// The lowest gap that holds it (first fit).
+    Lowest,
+}
 
 /// Leaf ranges of one problem and the scratch space of its passes.
 pub(crate) struct Greedy {
@@ -103,18 +113,19 @@ impl Greedy {
         self.pairs + self.count
     }
 
-    /// Places the allocations of `sequence` (the nonzero ones of `p`, in placing order): the
-    /// tiny ones ([`TINY_SHIFT`]) after all the others, each group in the sequence's order.
-    pub(crate) fn pass(&mut self, p: &Problem, sequence: &[u32]) -> OffsetPlan {
+    /// Places the allocations of `sequence` (the nonzero ones of `p`, in placing order), each
+    /// in the gap `fit` picks: the tiny ones ([`TINY_SHIFT`]) after all the others, each group
+    /// in the sequence's order, and always in the lowest gap that holds them.
+    pub(crate) fn pass(&mut self, p: &Problem, sequence: &[u32], fit: Fit) -> OffsetPlan {
         self.lists.clear();
         self.offsets.iter_mut().for_each(|o| *o = 0);
         let tiny = self.tiny;
         let mut arena = 0u64;
         for &i in sequence.iter().filter(|&&i| p.sizes[i as usize] > tiny) {
-            arena = arena.max(self.place(p, i as usize, false));
+            arena = arena.max(self.place(p, i as usize, fit));
         }
         for &i in sequence.iter().filter(|&&i| p.sizes[i as usize] <= tiny) {
-            arena = arena.max(self.place(p, i as usize, true));
+            arena = arena.max(self.place(p, i as usize, Fit::Lowest));
         }
         OffsetPlan {
             offsets: self.offsets.clone(),
@@ -122,19 +133,21 @@ impl Greedy {
         }
     }
 
-    /// Places allocation `i` in the smallest gap that holds it, or with `first` (a tiny one,
-    /// after every larger one) in the lowest. Returns where it ends.
+    /// Places allocation `i` in the gap `fit` picks. Returns where it ends.
     #[inline(always)]
-    fn place(&mut self, p: &Problem, i: usize, first: bool) -> u64 {
+    fn place(&mut self, p: &Problem, i: usize, fit: Fit) -> u64 {
         let size = p.sizes[i];
         let (lo, hi) = self.span[i];
         let (lo, hi) = (lo as usize + self.leaves, hi as usize + self.leaves);
-        let offset = if first {
-            self.gather_lists(lo, hi);
-            first_fit(&self.lists.pool, &mut self.runs, size)
-        } else {
-            self.gather(lo, hi);
-            best_fit(&mut self.gathered, size)
+        let offset = match fit {
+            Fit::Lowest => {
+                self.gather_lists(lo, hi);
+                first_fit(&self.lists.pool, &mut self.runs, size)
+            }
+            Fit::Smallest => {
+                self.gather(lo, hi);
+                best_fit(&mut self.gathered, size)
+            }
         };
         self.offsets[i] = offset;
         self.record(lo, hi, (offset, offset + size));
@@ -183,12 +196,13 @@ impl Greedy {
 }
 
 /// Allocations of at most the lower bound's 2^-20th are tiny: every pass places them after
-/// all larger ones, each in the lowest gap that holds it ([`first_fit`]). Real models have thousands of them (5,612 of
-/// the 10,744 allocations of MindSpore's BERT-large lifetimes hold 4 bytes), each of which
-/// best fit would compare against every busy range of its lifetime, most of a pass's time,
-/// while the lowest gap that holds one is usually among the first few ranges. Placed last,
-/// they can only crowd each other, and their bytes are too few to move the arena by more than
-/// a hair; placed among larger ones, they could take the gap a larger one later needs.
+/// all larger ones, each in the lowest gap that holds it ([`first_fit`]). Real models have
+/// thousands of them (5,612 of the 10,744 allocations of MindSpore's BERT-large lifetimes hold
+/// 4 bytes), each of which best fit would compare against every busy range of its lifetime,
+/// most of a pass's time, while the lowest gap that holds one is usually among the first few
+/// ranges. Placed last, they can only crowd each other, and their bytes are too few to move
+/// the arena by more than a hair; placed among larger ones, they could take the gap a larger
+/// one later needs.
 const TINY_SHIFT: u32 = 20;
 
 /// The offset at which the greedy pass places `size` bytes among the busy byte ranges of
@@ -210,12 +224,11 @@ fn best_fit(gathered: &mut [(u64, u64)], size: u64) -> u64 {
     best.map_or(top, |(_, at)| at)
 }
 
-/// The offset at which the greedy pass places a tiny allocation of `size` bytes: the start
-/// of the lowest free gap that holds it among the busy byte ranges of the lists at
-/// `pool[start..end]` for each of `runs` (each list sorted and disjoint; ranges of different
-/// lists may overlap), else the top of the busy ranges. Merges the lists lowest head first
-/// and stops at the first gap that fits, so it reads only the ranges below that gap.
-/// Consumes `runs`.
+/// The offset at which the greedy pass places `size` bytes in the lowest gap that holds them
+/// among the busy byte ranges of the lists at `pool[start..end]` for each of `runs` (each list
+/// sorted and disjoint; ranges of different lists may overlap), else the top of the busy
+/// ranges. Merges the lists lowest head first and stops at the first gap that fits, so it
+/// reads only the ranges below that gap. Consumes `runs`.
 fn first_fit(pool: &[(u64, u64)], runs: &mut Vec<(usize, usize)>, size: u64) -> u64 {
     let mut top = 0u64;
     while !runs.is_empty() {

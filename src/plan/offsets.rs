@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::time::Instant;
 
 use super::canonical::Schedule;
-use super::greedy::Greedy;
+use super::greedy::{Fit, Greedy};
 use super::{Algorithm, OffsetPlan, PlanOutcome, Problem};
 
 /// Inputs with more nonzero allocations than this are left to the heuristics (the search
@@ -17,18 +17,18 @@ use super::{Algorithm, OffsetPlan, PlanOutcome, Problem};
 pub(crate) const SEARCH_LIMIT: usize = 4096;
 /// Most greedy passes in perturbed orders before the search (half the budget at most).
 const PERTURBED_PASSES: u64 = 64;
-/// Work `Best` spends on greedy orders after the first, counted as pairs of allocations live
-/// together (plus allocations) per pass: dense inputs, where a layout's free gaps are many and
-/// a pass slower, get fewer extra orders and stay fast.
+/// Work `Best` spends on greedy strategies ([`STRATEGIES`]) after the first, counted as pairs
+/// of allocations live together (plus allocations) per pass: dense inputs, where a layout's
+/// free gaps are many and a pass slower, get fewer extra strategies and stay fast.
 const BEST_GREEDY_WORK: usize = 4_000_000;
 /// A plan more than this fraction of the lower bound above it (1/64) is far from it: the
-/// default then tries the first [`BEST_FAR_ORDERS`] greedy orders however dense the input.
+/// default then tries the first [`BEST_FAR_ORDERS`] greedy strategies however dense the input.
 /// On MindSpore's PanGu-2.6B lifetimes read half-open (18,692 allocations), size order comes
-/// to 1.033 times the bound and breadth order to 1.008; the search cannot run on inputs that
+/// to 1.033 times the bound (first fit or best fit) and breadth order to 1.008; the search cannot run on inputs that
 /// large, and perturbed passes would cost more than the budget.
 const BEST_FAR_EXCESS: u64 = 64;
-/// How many greedy orders the default tries on a dense input while its plan is far above the
-/// lower bound ([`BEST_FAR_EXCESS`]).
+/// How many greedy strategies the default tries on a dense input while its plan is far above
+/// the lower bound ([`BEST_FAR_EXCESS`]).
 const BEST_FAR_ORDERS: usize = 3;
 /// Inputs with at least this many nonzero allocations have PyTorch's plan made on a second
 /// thread while the greedy passes run (about 3 ms of the 13 ms that 12,000 allocations of a
@@ -52,24 +52,32 @@ pub(crate) enum Order {
 }
 
 impl Order {
-    pub(crate) const ALL: [Order; 5] = [
-        Order::Size,
-        Order::Breadth,
-        Order::Area,
-        Order::Lifetime,
-        Order::Time,
-    ];
-
-    pub(crate) fn of(algorithm: Algorithm) -> Order {
+    /// The greedy strategy of a named greedy algorithm: its order and the gap it takes.
+    pub(crate) fn of(algorithm: Algorithm) -> (Order, Fit) {
         match algorithm {
-            Algorithm::GreedyByBreadth => Order::Breadth,
-            Algorithm::GreedyByArea => Order::Area,
-            Algorithm::GreedyByLifetime => Order::Lifetime,
-            Algorithm::GreedyByTime => Order::Time,
-            _ => Order::Size,
+            Algorithm::FirstFitBySize => (Order::Size, Fit::Lowest),
+            Algorithm::GreedyByBreadth => (Order::Breadth, Fit::Smallest),
+            Algorithm::GreedyByArea => (Order::Area, Fit::Smallest),
+            Algorithm::GreedyByLifetime => (Order::Lifetime, Fit::Smallest),
+            Algorithm::GreedyByTime => (Order::Time, Fit::Smallest),
+            _ => (Order::Size, Fit::Smallest),
         }
     }
 }
+
+/// The greedy strategies `Best` tries, in turn. First fit by decreasing size comes first: it
+/// is the cheapest pass on dense inputs (it stops at the first gap that holds an allocation,
+/// where best fit reads every busy range of the allocation's lifetime), and on dense inputs
+/// with sizes of every magnitude it packs far tighter than best fit, which leaves slivers too
+/// small for anything later.
+pub(crate) const STRATEGIES: [(Order, Fit); 6] = [
+    (Order::Size, Fit::Lowest),
+    (Order::Size, Fit::Smallest),
+    (Order::Breadth, Fit::Smallest),
+    (Order::Area, Fit::Smallest),
+    (Order::Lifetime, Fit::Smallest),
+    (Order::Time, Fit::Smallest),
+];
 
 /// The conflict graph over the nonzero allocations, for the exact search. With the allocations
 /// ranked by first use,
@@ -212,11 +220,11 @@ impl Problem {
         })
     }
 
-    /// One greedy pass in the given order.
-    pub(crate) fn greedy(&self, order: Order) -> OffsetPlan {
+    /// One greedy pass in the given order, each allocation in the gap `fit` picks.
+    pub(crate) fn greedy(&self, (order, fit): (Order, Fit)) -> OffsetPlan {
         let nonzero = self.nonzero();
         let sequence = self.sequence(order, &nonzero);
-        Greedy::new(self).pass(self, &sequence)
+        Greedy::new(self).pass(self, &sequence, fit)
     }
 
     /// Indices of the allocations with a nonzero size, ascending.
@@ -354,8 +362,8 @@ impl Problem {
         bounded(plan, self.lower_bound(), 0)
     }
 
-    /// The smallest plan among PyTorch's and the greedy orders (all of them unless the input is
-    /// so dense that they would be slow; stopping early at the lower bound; every one with
+    /// The smallest plan among PyTorch's and the greedy strategies (all of them unless the
+    /// input is so dense that they would be slow; stopping early at the lower bound; every one with
     /// `exhaustive`), then, when none meets the lower bound, greedy passes in perturbed orders
     /// and a canonical search within `work` units (inputs of up to [`SEARCH_LIMIT`] nonzero
     /// allocations); without `exhaustive`, within a share of `work` when the plan is close to
@@ -429,7 +437,7 @@ impl Problem {
                 .collect();
             keyed.sort_unstable();
             let sequence: Vec<u32> = keyed.into_iter().map(|(_, i)| i).collect();
-            let plan = greedy.pass(self, &sequence);
+            let plan = greedy.pass(self, &sequence, Fit::Smallest);
             if plan.arena_size < best.arena_size {
                 best = plan;
             }
@@ -450,9 +458,9 @@ impl Problem {
         }
     }
 
-    /// The smallest plan of the greedy orders, in turn until one meets the lower bound. All of
-    /// them with `exhaustive`; otherwise fewer on dense inputs, where a pass's work is large:
-    /// orders after the first while their passes add up to [`BEST_GREEDY_WORK`], or to the
+    /// The smallest plan of the greedy strategies ([`STRATEGIES`]), in turn until one meets
+    /// the lower bound. All of them with `exhaustive`; otherwise fewer on dense inputs, where a
+    /// pass's work is large: strategies after the first while their passes add up to [`BEST_GREEDY_WORK`], or to the
     /// share of `work` that refining the best plan so far would get ([`refining_share`]), and
     /// the first [`BEST_FAR_ORDERS`] while the best plan is far above the bound
     /// ([`BEST_FAR_EXCESS`]).
@@ -466,7 +474,9 @@ impl Problem {
         let bound = greedy.lower_bound();
         let pass_work = greedy.work();
         let mut best: Option<OffsetPlan> = None;
-        for (k, order) in Order::ALL.into_iter().enumerate() {
+        // Consecutive strategies of one order share its sequence.
+        let mut sequence: Option<(Order, Vec<u32>)> = None;
+        for (k, (order, fit)) in STRATEGIES.into_iter().enumerate() {
             if let Some(b) = best.as_ref().filter(|_| !exhaustive) {
                 let excess = b.arena_size - bound;
                 let share = refining_share(work, excess, bound);
@@ -476,8 +486,11 @@ impl Problem {
                     break;
                 }
             }
-            let sequence = self.sequence(order, nonzero);
-            let plan = greedy.pass(self, &sequence);
+            if sequence.as_ref().is_none_or(|(of, _)| *of != order) {
+                sequence = Some((order, self.sequence(order, nonzero)));
+            }
+            let (_, placing) = sequence.as_ref().expect("made above");
+            let plan = greedy.pass(self, placing, fit);
             if best.as_ref().is_none_or(|b| plan.arena_size < b.arena_size) {
                 best = Some(plan);
             }
