@@ -34,7 +34,8 @@ int main(void) {
 
     /* Every named algorithm gives a valid plan; 512-byte alignment rounds sizes up. */
     const char *names[] = {"default", "best", "exact", "greedy-by-size", "greedy-by-breadth",
-                           "greedy-by-area", "greedy-by-lifetime", "greedy-by-time", "pytorch"};
+                           "greedy-by-area", "greedy-by-lifetime", "greedy-by-time",
+                           "first-fit-by-size", "pytorch"};
     for (size_t k = 0; k < sizeof names / sizeof names[0]; k++) {
         CHECK(tensoralloc_plan_offsets(3, sizes, first, last, 512, names[k], offsets, &arena) == 0, "%s", names[k]);
         CHECK(tensoralloc_plan_validate(3, sizes, first, last, 512, offsets, arena) == 0, "%s valid", names[k]);
