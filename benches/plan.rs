@@ -58,6 +58,15 @@ fn large_traces() -> Vec<(&'static str, Vec<Allocation>)> {
     ]
 }
 
+/// Dense graphs with sizes of every magnitude ([`traces::sharded_graph`]): thousands of
+/// allocations live at once, with a fragmented layout.
+fn dense_graphs() -> Vec<(&'static str, Vec<Allocation>)> {
+    vec![
+        ("sharded-graph-10k", traces::sharded_graph(10_000, 9)),
+        ("sharded-graph-30k", traces::sharded_graph(30_000, 10)),
+    ]
+}
+
 const CHALLENGING: [&str; 11] = ["A", "B", "C", "D", "E", "F", "G", "H", "I", "J", "K"];
 
 /// A challenging instance: half-open lifetimes `[lower, upper)` read as inclusive last uses.
@@ -107,7 +116,11 @@ fn report_challenging() {
 /// Prints, for each trace, every algorithm's arena divided by the lower bound.
 fn report_ratios() {
     println!("plan size / lower bound (alignment 64):");
-    for (name, allocs) in model_traces().into_iter().chain(large_traces()) {
+    for (name, allocs) in model_traces()
+        .into_iter()
+        .chain(large_traces())
+        .chain(dense_graphs())
+    {
         let bound = lower_bound(&allocs, 64).unwrap();
         print!(
             "  {name:28} n={:5} bound={:6.2} GiB",
@@ -141,7 +154,7 @@ fn offsets(c: &mut Criterion) {
             );
         }
     }
-    for (name, allocs) in large_traces() {
+    for (name, allocs) in large_traces().into_iter().chain(dense_graphs()) {
         group.bench_with_input(BenchmarkId::new("best", name), &allocs, |b, allocs| {
             b.iter(|| plan_offsets(black_box(allocs), 64, Algorithm::Best).unwrap())
         });

@@ -215,6 +215,31 @@ pub fn transformer_inference(
     t.allocs
 }
 
+/// A dense graph of `n` nodes with sizes of every magnitude, shaped like the
+/// intra-operator-parallelism graphs of sharded models (one tensor per node, made at its
+/// node's step): 15% of the tensors live almost throughout (parameters and their shards), a
+/// fifth up to a quarter of the steps, the rest up to 30 steps; sizes are 4^k × (1 to 1,000)
+/// bytes for k below 10, 1 byte to 262 MB. Thousands of tensors are live at every step, and a
+/// layout of them has thousands of free gaps.
+pub fn sharded_graph(n: usize, seed: u64) -> Vec<Allocation> {
+    let mut t = Tracer::new(seed);
+    let n = n as u64;
+    (0..n)
+        .map(|i| {
+            let (first, last) = match t.random() % 20 {
+                0..=2 => (
+                    t.random() % (n / 20).max(1),
+                    n - 1 - t.random() % (n / 20).max(1),
+                ),
+                3..=6 => (i, (i + 1 + t.random() % (n / 4).max(1)).min(n - 1)),
+                _ => (i, (i + 1 + t.random() % 30).min(n - 1)),
+            };
+            let size = (1u64 << (2 * (t.random() % 10))) * (1 + t.random() % 1000);
+            Allocation::new(size, first, last.max(first))
+        })
+        .collect()
+}
+
 /// Reads a planning instance in MiniMalloc's CSV format (a header line, then `id,lower,upper,
 /// size` rows with half-open lifetimes `[lower, upper)`) as allocations with inclusive last
 /// uses `upper - 1`. Fails, naming the line, on a row that is not four integers or whose
