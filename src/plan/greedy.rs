@@ -5,8 +5,10 @@
 //! them.
 //!
 //! Only the union of the placed neighbours' byte ranges matters, not the neighbours one by
-//! one, and greedy layouts pack tightly, so such unions are a few intervals where the
-//! neighbours are hundreds. Lifetimes become ranges of leaves (the distinct first uses) of a
+//! one, and greedy layouts of model traces pack tightly, so such unions are a few intervals
+//! where the neighbours are hundreds (on dense inputs with sizes of every magnitude, where
+//! layouts keep many small gaps, they are thousands: first fit then reads only those below
+//! the gap it takes). Lifetimes become ranges of leaves (the distinct first uses) of a
 //! segment tree; each node keeps, as a sorted list of disjoint byte intervals, the union of
 //! the placed allocations that cover it whole (`cover`) and the union of those that start at
 //! one of its leaves (`starts`). The placed neighbours of an allocation are those live when it
