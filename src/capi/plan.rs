@@ -112,10 +112,10 @@ unsafe fn plan_into(
 /// every allocation in the smallest gap that holds it), `"first-fit-by-size"` (largest first,
 /// every allocation in the lowest gap that holds it: the fastest greedy pass on dense inputs;
 /// in every greedy placement tiny allocations, at most a 2^-20th of the lower bound, go after
-/// all the others, each in the lowest gap that holds it), `"best"` (same as the default) or `"exact"` (a canonical
-/// search with a budget of 4,000,000,000 work units, about a minute at most;
-/// `tensoralloc_plan_offsets_ex` sets another budget and says whether the plan is proven
-/// optimal). Plans are deterministic: the same input gives the same plan on any machine. For
+/// all the others, each in the lowest gap that holds it), `"best"` (same as the default) or
+/// `"exact"` (a canonical search with a budget of 4,000,000,000 work units, about a minute at
+/// most; `tensoralloc_plan_offsets_ex` sets another budget and says whether the plan is
+/// proven optimal). Plans are deterministic: the same input gives the same plan on any machine. For
 /// inputs of 4,096 or more nonzero allocations, `"default"` and `"exact"` make PyTorch's plan
 /// on a second thread while the greedy passes run (a few milliseconds; the thread is started
 /// and joined within the call), or on the calling thread when no other can be started.

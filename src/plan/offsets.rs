@@ -22,10 +22,11 @@ const PERTURBED_PASSES: u64 = 64;
 /// free gaps are many and a pass slower, get fewer extra strategies and stay fast.
 const BEST_GREEDY_WORK: usize = 4_000_000;
 /// A plan more than this fraction of the lower bound above it (1/64) is far from it: the
-/// default then tries the first [`BEST_FAR_ORDERS`] greedy strategies however dense the input.
-/// On MindSpore's PanGu-2.6B lifetimes read half-open (18,692 allocations), size order comes
-/// to 1.033 times the bound (first fit or best fit) and breadth order to 1.008; the search cannot run on inputs that
-/// large, and perturbed passes would cost more than the budget.
+/// default then tries the first [`BEST_FAR_ORDERS`] greedy strategies however dense the
+/// input. On MindSpore's PanGu-2.6B lifetimes read half-open (18,692 allocations), size order
+/// comes to 1.033 times the bound (first fit or best fit) and breadth order to 1.008; the
+/// search cannot run on inputs that large, and perturbed passes would cost more than the
+/// budget.
 const BEST_FAR_EXCESS: u64 = 64;
 /// How many greedy strategies the default tries on a dense input while its plan is far above
 /// the lower bound ([`BEST_FAR_EXCESS`]).
@@ -365,11 +366,11 @@ impl Problem {
     }
 
     /// The smallest plan among PyTorch's and the greedy strategies (all of them unless the
-    /// input is so dense that they would be slow; stopping early at the lower bound; every one with
-    /// `exhaustive`), then, when none meets the lower bound, greedy passes in perturbed orders
-    /// and a canonical search within `work` units (inputs of up to [`SEARCH_LIMIT`] nonzero
-    /// allocations); without `exhaustive`, within a share of `work` when the plan is close to
-    /// the bound ([`BEST_FULL_EXCESS`]).
+    /// input is so dense that they would be slow; stopping early at the lower bound; every
+    /// one with `exhaustive`), then, when none meets the lower bound, greedy passes in
+    /// perturbed orders and a canonical search within `work` units (inputs of up to
+    /// [`SEARCH_LIMIT`] nonzero allocations); without `exhaustive`, within a share of `work`
+    /// when the plan is close to the bound ([`BEST_FULL_EXCESS`]).
     pub(crate) fn best(
         &self,
         exhaustive: bool,
@@ -462,10 +463,10 @@ impl Problem {
 
     /// The smallest plan of the greedy strategies ([`STRATEGIES`]), in turn until one meets
     /// the lower bound. All of them with `exhaustive`; otherwise fewer on dense inputs, where a
-    /// pass's work is large: strategies after the first while their passes add up to [`BEST_GREEDY_WORK`], or to the
-    /// share of `work` that refining the best plan so far would get ([`refining_share`]), and
-    /// the first [`BEST_FAR_ORDERS`] while the best plan is far above the bound
-    /// ([`BEST_FAR_EXCESS`]).
+    /// pass's work is large: strategies after the first while their passes add up to
+    /// [`BEST_GREEDY_WORK`], or to the share of `work` that refining the best plan so far would
+    /// get ([`refining_share`]), and the first [`BEST_FAR_ORDERS`] while the best plan is far
+    /// above the bound ([`BEST_FAR_EXCESS`]).
     fn greedy_orders(
         &self,
         greedy: &mut Greedy,
@@ -476,8 +477,8 @@ impl Problem {
         let bound = greedy.lower_bound();
         let pass_work = greedy.work();
         let mut best: Option<OffsetPlan> = None;
-        // Consecutive strategies of one order share its sequence.
-        let mut sequence: Option<(Order, Vec<u32>)> = None;
+        // Strategies of one order share its sequence.
+        let mut sequences: Vec<(Order, Vec<u32>)> = Vec::new();
         for (k, (order, fit)) in STRATEGIES.into_iter().enumerate() {
             if let Some(b) = best.as_ref().filter(|_| !exhaustive) {
                 let excess = b.arena_size - bound;
@@ -488,11 +489,12 @@ impl Problem {
                     break;
                 }
             }
-            if sequence.as_ref().is_none_or(|(of, _)| *of != order) {
-                sequence = Some((order, self.sequence(order, nonzero)));
-            }
-            let (_, placing) = sequence.as_ref().expect("made above");
-            let plan = greedy.pass(self, placing, fit);
+            let known = sequences.iter().position(|(of, _)| *of == order);
+            let at = known.unwrap_or_else(|| {
+                sequences.push((order, self.sequence(order, nonzero)));
+                sequences.len() - 1
+            });
+            let plan = greedy.pass(self, &sequences[at].1, fit);
             if best.as_ref().is_none_or(|b| plan.arena_size < b.arena_size) {
                 best = Some(plan);
             }
