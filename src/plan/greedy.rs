@@ -44,7 +44,7 @@ pub(crate) struct Greedy {
     lists: Lists,
     /// Gathered intervals of the allocation being placed.
     gathered: Vec<(u64, u64)>,
-    /// The gathered lists of a tiny allocation being placed, as ranges of `lists.pool`.
+    /// The gathered lists of an allocation placed by first fit, as ranges of `lists.pool`.
     runs: Vec<(usize, usize)>,
     /// Allocations of at most this many bytes are placed after every larger one, in the
     /// lowest gap that holds them rather than the smallest ([`TINY_SHIFT`]).
@@ -175,19 +175,9 @@ impl Greedy {
     /// Records an allocation placed at bytes `range`, live at leaf nodes `lo..hi`: in `cover`
     /// of the nodes that range splits into, and in `starts` of the nodes above leaf `lo`.
     fn record(&mut self, lo: usize, hi: usize, range: (u64, u64)) {
-        let (mut l, mut h) = (lo, hi);
-        while l < h {
-            if l & 1 == 1 {
-                self.lists.add(cover(l), range);
-                l += 1;
-            }
-            if h & 1 == 1 {
-                h -= 1;
-                self.lists.add(cover(h), range);
-            }
-            l >>= 1;
-            h >>= 1;
-        }
+        split(lo, hi, |node| {
+            self.lists.add(cover(node), range);
+        });
         // A node's `starts` holds its children's: once one already holds `range`, so do the
         // rest of the path.
         let mut a = lo;
@@ -265,15 +255,22 @@ fn lists_of(lo: usize, hi: usize, mut visit: impl FnMut(usize)) {
         visit(cover(a));
         a >>= 1;
     }
-    let (mut l, mut h) = (lo + 1, hi);
+    split(lo + 1, hi, |node| visit(starts(node)));
+}
+
+/// Calls `visit` with the nodes that leaves `lo..hi` (tree indices) split into, each holding
+/// only leaves of the range, together holding all of them.
+#[inline(always)]
+fn split(lo: usize, hi: usize, mut visit: impl FnMut(usize)) {
+    let (mut l, mut h) = (lo, hi);
     while l < h {
         if l & 1 == 1 {
-            visit(starts(l));
+            visit(l);
             l += 1;
         }
         if h & 1 == 1 {
             h -= 1;
-            visit(starts(h));
+            visit(h);
         }
         l >>= 1;
         h >>= 1;
