@@ -362,10 +362,7 @@ impl DeviceAllocator {
     /// an overdraft waiting, so that every shard must be settled. The caller holds the settle
     /// lock and `home`'s lock.
     fn settle_from_donors(&self, home: &Shard, unowned: &mut Unowned) -> bool {
-        let mut wanted = home.stats.raise_top_wanted();
-        if wanted != 0 {
-            wanted = home.stats.take_unowned(unowned, wanted);
-        }
+        let mut wanted = home.stats.take_unowned(unowned);
         for donor in self.shards.iter() {
             if wanted == 0 {
                 break;

@@ -294,12 +294,14 @@ impl ShardStats {
         }
     }
 
-    /// Moves unowned headroom to this shard for the statistics of `wanted`: whole parcels
-    /// (what one emptied shard gave up), as from a donor that holds none of a statistic, so
-    /// that streams that come back take about what they held before. Returns the statistics
-    /// still wanting headroom. The caller holds the settle lock and the shard's lock.
-    pub fn take_unowned(&self, unowned: &mut Unowned, wanted: u32) -> u32 {
-        if unowned.parcels.is_empty() {
+    /// Records the current needs in `top` ([`ShardStats::raise_top_wanted`]), then moves
+    /// unowned headroom to this shard for the statistics that want it: whole parcels (what
+    /// one emptied shard gave up), as from a donor that holds none of a statistic, so that
+    /// streams that come back take about what they held before. Returns the statistics still
+    /// wanting headroom. The caller holds the settle lock and the shard's lock.
+    pub fn take_unowned(&self, unowned: &mut Unowned) -> u32 {
+        let wanted = self.raise_top_wanted();
+        if wanted == 0 || unowned.parcels.is_empty() {
             return wanted;
         }
         self.take_headroom(wanted, |i, short| unowned.take(i, short, true))
@@ -329,10 +331,7 @@ impl ShardStats {
     /// headroom taken first as [`ShardStats::take_unowned`] takes it. The caller holds the
     /// settle lock and the shard's lock.
     pub fn settle_alone(&self, counters: &DeviceCounters, unowned: &mut Unowned) {
-        let wanted = self.raise_top_wanted();
-        if wanted != 0 {
-            self.take_unowned(unowned, wanted);
-        }
+        self.take_unowned(unowned);
         settle(counters, unowned, self, || std::iter::once(self));
     }
 
