@@ -22,7 +22,7 @@ const PERTURBED_PASSES: u64 = 64;
 /// free gaps are many and a pass slower, get fewer extra strategies and stay fast.
 const BEST_GREEDY_WORK: usize = 4_000_000;
 /// A plan more than this fraction of the lower bound above it (1/64) is far from it: the
-/// default then tries the first [`BEST_FAR_ORDERS`] greedy strategies however dense the
+/// default then tries the first [`BEST_FAR_STRATEGIES`] greedy strategies however dense the
 /// input. On MindSpore's PanGu-2.6B lifetimes read half-open (18,692 allocations), size order
 /// comes to 1.033 times the bound (first fit or best fit) and breadth order to 1.008; the
 /// search cannot run on inputs that large, and perturbed passes would cost more than the
@@ -30,7 +30,7 @@ const BEST_GREEDY_WORK: usize = 4_000_000;
 const BEST_FAR_EXCESS: u64 = 64;
 /// How many greedy strategies the default tries on a dense input while its plan is far above
 /// the lower bound ([`BEST_FAR_EXCESS`]).
-const BEST_FAR_ORDERS: usize = 3;
+const BEST_FAR_STRATEGIES: usize = 3;
 /// Inputs with at least this many nonzero allocations have PyTorch's plan made on a second
 /// thread while the greedy passes run (about 3 ms of the 13 ms that 12,000 allocations of a
 /// real model take).
@@ -391,7 +391,7 @@ impl Problem {
                     .name("tensoralloc-plan".into())
                     .spawn_scoped(scope, || self.pytorch_unless(&stop))
                     .ok();
-                let best = self.greedy_orders(&mut greedy, &nonzero, exhaustive, work);
+                let best = self.greedy_strategies(&mut greedy, &nonzero, exhaustive, work);
                 stop.store(best.arena_size == bound, Relaxed);
                 let pytorch = pytorch.and_then(|t| {
                     t.join()
@@ -401,7 +401,7 @@ impl Problem {
             })
         } else {
             (
-                self.greedy_orders(&mut greedy, &nonzero, exhaustive, work),
+                self.greedy_strategies(&mut greedy, &nonzero, exhaustive, work),
                 None,
             )
         };
@@ -465,9 +465,9 @@ impl Problem {
     /// the lower bound. All of them with `exhaustive`; otherwise fewer on dense inputs, where a
     /// pass's work is large: strategies after the first while their passes add up to
     /// [`BEST_GREEDY_WORK`], or to the share of `work` that refining the best plan so far would
-    /// get ([`refining_share`]), and the first [`BEST_FAR_ORDERS`] while the best plan is far
+    /// get ([`refining_share`]), and the first [`BEST_FAR_STRATEGIES`] while the best plan is far
     /// above the bound ([`BEST_FAR_EXCESS`]).
-    fn greedy_orders(
+    fn greedy_strategies(
         &self,
         greedy: &mut Greedy,
         nonzero: &[u32],
@@ -484,7 +484,7 @@ impl Problem {
                 let excess = b.arena_size - bound;
                 let share = refining_share(work, excess, bound);
                 let allowed = usize::try_from(share).unwrap_or(usize::MAX);
-                let far = excess > bound / BEST_FAR_EXCESS && k < BEST_FAR_ORDERS;
+                let far = excess > bound / BEST_FAR_EXCESS && k < BEST_FAR_STRATEGIES;
                 if k * pass_work > BEST_GREEDY_WORK.max(allowed) && !far {
                     break;
                 }
