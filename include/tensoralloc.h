@@ -612,21 +612,22 @@ void tensoralloc_host_reset_accumulated_stats(void);
  *
  * `alignment` is a nonzero power of two (64 suits CPU and GPU tensors). `algorithm` is NULL
  * or `"default"` (the best plan tensoralloc finds: never larger than `"pytorch"`'s; when no
- * greedy placement meets the lower bound, a search of up to 20,000,000 work units, a fraction of
- * a second, the whole budget only for a plan at least 1/16 above the bound and a share in
- * proportion to its excess below that), `"pytorch"` (PyTorch's profiling-allocator plan:
- * time order, best fit among free gaps), `"greedy-by-size"`, `"greedy-by-breadth"`,
+ * greedy placement meets the lower bound, a search of up to 20,000,000 work units, a
+ * fraction of a second, the whole budget only for a plan at least 1/16 above the bound and
+ * a share in proportion to its excess below that), `"pytorch"` (PyTorch's profiling-allocator
+ * plan: time order, best fit among free gaps), `"greedy-by-size"`, `"greedy-by-breadth"`,
  * `"greedy-by-area"`, `"greedy-by-lifetime"`, `"greedy-by-time"` (one greedy placement each,
  * every allocation in the smallest gap that holds it), `"first-fit-by-size"` (largest first,
- * every allocation in the lowest gap that holds it: the fastest greedy pass on dense inputs;
- * in every greedy placement tiny allocations, at most a 2^-20th of the lower bound, go after
- * all the others, each in the lowest gap that holds it), `"best"` (same as the default) or
- * `"exact"` (a canonical search with a budget of 4,000,000,000 work units, about a minute at
- * most; `tensoralloc_plan_offsets_ex` sets another budget and says whether the plan is
- * proven optimal). Plans are deterministic: the same input gives the same plan on any machine. For
- * inputs of 4,096 or more nonzero allocations, `"default"` and `"exact"` make PyTorch's plan
- * on a second thread while the greedy passes run (a few milliseconds; the thread is started
- * and joined within the call), or on the calling thread when no other can be started.
+ * every allocation in the lowest gap that holds it: the fastest greedy pass on dense
+ * inputs), `"best"` (same as the default) or `"exact"` (a canonical search with a budget of
+ * 4,000,000,000 work units, about a minute at most; `tensoralloc_plan_offsets_ex` sets
+ * another budget and says whether the plan is proven optimal). In every greedy placement,
+ * tiny allocations (at most a 2^-20th of the lower bound) go after all the others, each in
+ * the lowest gap that holds it. Plans are deterministic: the same input gives the same plan
+ * on any machine. For inputs of 4,096 or more nonzero allocations, `"default"` and `"exact"`
+ * make PyTorch's plan on a second thread while the greedy passes run (a few milliseconds;
+ * the thread is started and joined within the call), or on the calling thread when no other
+ * can be started.
  *
  * On success writes `offsets[0..n]` (each a multiple of `alignment`) and `*arena_size` (the
  * largest offset + rounded size) and returns `TENSORALLOC_OK`. Returns
