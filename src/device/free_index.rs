@@ -11,9 +11,10 @@
 //! a two-level bitmap; each class keeps its keys in order, in a vector sorted largest first
 //! while few (a vector beats a B-tree several times over at a handful of keys, and the best
 //! fit then comes off its end), in a B-tree when thousands of blocks fall into one class
-//! (logarithmic updates win), switching between the two with hysteresis. Classes are ordered as sizes are, so the first key at or above a key is in that
-//! key's class or is the first key of the next class in use: a search or an update touches
-//! one class's few keys, however many blocks the pool holds.
+//! (logarithmic updates win), switching between the two with hysteresis. Classes are ordered
+//! as sizes are, so the first key at or above a key is in that key's class or is the first
+//! key of the next class in use: a search or an update touches one class's few keys, however
+//! many blocks the pool holds.
 
 use std::collections::BTreeSet;
 
