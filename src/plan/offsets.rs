@@ -72,9 +72,13 @@ impl Order {
 /// with sizes of every magnitude it packs far tighter than best fit, which leaves slivers too
 /// small for anything later. Breadth order comes second: first fit and best fit by size
 /// mostly agree, so a different order is the likelier gain when the work allows only two
-/// passes (MindSpore's BERT-base lifetimes, where breadth order meets the bound).
-pub(crate) const STRATEGIES: [(Order, Fit); 6] = [
+/// passes (MindSpore's BERT-base lifetimes, where breadth order meets the bound). It goes by
+/// first fit, then by best fit: on every real input measured the two breadth passes give the
+/// same plan, and first fit takes half the time (MindSpore's PanGu-2.6B lifetimes read
+/// half-open: 1.0076 times the bound either way, the default in 19 ms instead of 31).
+pub(crate) const STRATEGIES: [(Order, Fit); 7] = [
     (Order::Size, Fit::Lowest),
+    (Order::Breadth, Fit::Lowest),
     (Order::Breadth, Fit::Smallest),
     (Order::Size, Fit::Smallest),
     (Order::Area, Fit::Smallest),
