@@ -155,16 +155,15 @@ impl Greedy {
     #[inline(always)]
     fn place(&mut self, p: &Problem, i: usize, fit: Fit) -> u64 {
         let size = p.sizes[i];
-        let (first, end) = self.span[i];
-        let leaves = (first as usize, end as usize);
-        let (lo, hi) = (leaves.0 + self.leaves, leaves.1 + self.leaves);
+        let span = (self.span[i].0 as usize, self.span[i].1 as usize);
+        let (lo, hi) = (span.0 + self.leaves, span.1 + self.leaves);
         let offset = match fit {
             Fit::Lowest => {
                 self.gather_lists(lo, hi);
-                let floor = self.floors.as_ref().map_or(0, |f| f.under(leaves));
+                let floor = self.floors.as_ref().map_or(0, |f| f.under(span));
                 let (offset, hole) = first_fit(&self.lists.pool, &mut self.runs, size, floor);
                 if let Some(floors) = &mut self.floors {
-                    floors.raise(leaves, hole, (offset, offset + size));
+                    floors.raise(span, hole, (offset, offset + size));
                 }
                 offset
             }
@@ -422,21 +421,20 @@ impl Lists {
 /// Inputs with at least this many pairs of allocations live together per allocation keep
 /// [`Floors`]. Looking up and raising the floors costs two walks of the tree per placement,
 /// which pays only where first fit merges many ranges: on MindSpore's lifetimes of BERT and
-/// PanGu (500–1,000 pairs per allocation) a first-fit pass takes 7–26% less time with them,
+/// PanGu (500–1,000 pairs per allocation) a first-fit pass takes 10–25% less time with them,
 /// on the synthetic model traces of `cargo bench --bench plan` (2–200) 5–8% more.
 const FLOOR_PAIRS: usize = 256;
 
-/// Busy floors of ranges of leaves, each a lower bound on the lowest byte that no placed
-/// allocation live at one of the range's leaves takes, over a perfect binary tree (node 1 the
-/// root, node `n`'s children `2n` and `2n + 1`, leaf `k` at `width + k`; the leaves past the
-/// last first use are padding). The placed
-/// allocations only grow during a pass, so a floor once true stays true: they are raised, never
-/// lowered, and a floor left behind the truth only costs the merge some ranges. Placing an
-/// allocation raises the floors of the nodes that hold its whole lifetime: each is busy at
-/// least up to the lowest free byte of that lifetime, found while placing it, and once the
-/// allocation is placed at bytes `a..b`, a floor in `a..b` rises to `b`. (Raising the nodes
-/// the lifetime splits into too, each by the second rule, skipped no more ranges on real
-/// models' lifetimes.)
+/// Busy floors of ranges of leaves, each a lower bound on the lowest byte that no placed allocation
+/// live at one of the range's leaves takes, over a perfect binary tree (node 1 the root, node `n`'s
+/// children `2n` and `2n + 1`, leaf `k` at `width + k`; the leaves past the last first use are
+/// padding). The placed allocations only grow during a pass, so a floor once true stays true: they
+/// are raised, never lowered, and a floor left behind the truth only costs the merge some ranges.
+/// Placing an allocation raises the floors of the nodes that hold its whole lifetime: each is busy
+/// at least up to the lowest free byte of that lifetime, found while placing it, and once the
+/// allocation is placed at bytes `a..b`, a floor in `a..b` rises to `b`. (Raising the nodes the
+/// lifetime splits into too, each by the second rule, skipped no more ranges on real models'
+/// lifetimes.)
 struct Floors {
     width: usize,
     floors: Vec<u64>,
