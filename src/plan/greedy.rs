@@ -505,7 +505,7 @@ mod tests {
             seed in any::<u64>(),
         ) {
             let p = Problem {
-                sizes: allocs.iter().map(|&(magnitude, size, _, _)| size << (6 * magnitude)).collect(),
+                sizes: allocs.iter().map(|&(scale, size, _, _)| size << (6 * scale)).collect(),
                 first: allocs.iter().map(|a| a.2).collect(),
                 last: allocs.iter().map(|a| a.2 + a.3).collect(),
             };
