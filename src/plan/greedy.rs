@@ -425,28 +425,31 @@ impl Lists {
 /// on the synthetic model traces of `cargo bench --bench plan` (2–200) 5–8% more.
 const FLOOR_PAIRS: usize = 256;
 
-/// Busy floors of ranges of leaves, each a lower bound on the lowest byte that no placed allocation
-/// live at one of the range's leaves takes, over a perfect binary tree (node 1 the root, node `n`'s
-/// children `2n` and `2n + 1`, leaf `k` at `width + k`; the leaves past the last first use are
-/// padding). The placed allocations only grow during a pass, so a floor once true stays true: they
-/// are raised, never lowered, and a floor left behind the truth only costs the merge some ranges.
-/// Placing an allocation raises the floors of the nodes that hold its whole lifetime: each is busy
-/// at least up to the lowest free byte of that lifetime, found while placing it, and once the
-/// allocation is placed at bytes `a..b`, a floor in `a..b` rises to `b`. (Raising the nodes the
-/// lifetime splits into too, each by the second rule, skipped no more ranges on real models'
-/// lifetimes.)
+/// Busy floors of ranges of leaves, each a lower bound on the lowest byte that no placed
+/// allocation live at one of the range's leaves takes, over a perfect binary tree (node 1 the
+/// root, node `n`'s children `2n` and `2n + 1`, leaf `k` at `width + k` for the `width` leaves,
+/// half the nodes; the leaves past the last first use are padding). The placed allocations only
+/// grow during a pass, so a floor once true stays true: they are raised, never lowered, and a
+/// floor left behind the truth only costs the merge some ranges. Placing an allocation raises
+/// the floors of the nodes that hold its whole lifetime: each is busy at least up to the lowest
+/// free byte of that lifetime, found while placing it, and once the allocation is placed at
+/// bytes `a..b`, a floor in `a..b` rises to `b`. (Lifting the nodes the lifetime splits into
+/// as well, by the rule for `a..b`, skipped no more ranges on real models' lifetimes.)
 struct Floors {
-    width: usize,
     floors: Vec<u64>,
 }
 
 impl Floors {
     fn new(leaves: usize) -> Floors {
-        let width = leaves.next_power_of_two();
         Floors {
-            width,
-            floors: vec![0; 2 * width],
+            floors: vec![0; 2 * leaves.next_power_of_two()],
         }
+    }
+
+    /// Index of the first leaf.
+    #[inline]
+    fn width(&self) -> usize {
+        self.floors.len() / 2
     }
 
     fn clear(&mut self) {
@@ -458,7 +461,7 @@ impl Floors {
     #[inline]
     fn under(&self, (lo, hi): (usize, usize)) -> u64 {
         let mut floor = 0;
-        split(self.width + lo, self.width + hi, |n| {
+        split(self.width() + lo, self.width() + hi, |n| {
             floor = floor.max(self.floors[n]);
         });
         floor
@@ -469,7 +472,7 @@ impl Floors {
     /// leaves, lowest first, up to one already at `b` or above.
     #[inline]
     fn raise(&mut self, (lo, hi): (usize, usize), hole: u64, (a, b): (u64, u64)) {
-        let (first, last) = (self.width + lo, self.width + hi - 1);
+        let (first, last) = (self.width() + lo, self.width() + hi - 1);
         // The lowest node holding both the first and the last leaf.
         let mut n = first >> (usize::BITS - (first ^ last).leading_zeros());
         // The hole lies at or below `a`: a floor that reaches `a` is now busy up to `b`.
