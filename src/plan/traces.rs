@@ -224,13 +224,12 @@ pub fn transformer_inference(
 pub fn sharded_graph(n: usize, seed: u64) -> Vec<Allocation> {
     let mut t = Tracer::new(seed);
     let n = n as u64;
+    // Long-lived tensors start within the first twentieth of the steps and end within the last.
+    let edge = (n / 20).max(1);
     (0..n)
         .map(|i| {
             let (first, last) = match t.random() % 20 {
-                0..=2 => (
-                    t.random() % (n / 20).max(1),
-                    n - 1 - t.random() % (n / 20).max(1),
-                ),
+                0..=2 => (t.random() % edge, n - 1 - t.random() % edge),
                 3..=6 => (i, (i + 1 + t.random() % (n / 4).max(1)).min(n - 1)),
                 _ => (i, (i + 1 + t.random() % 30).min(n - 1)),
             };
