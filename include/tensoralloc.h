@@ -614,7 +614,9 @@ void tensoralloc_host_reset_accumulated_stats(void);
  * or `"default"` (the best plan tensoralloc finds: never larger than `"pytorch"`'s; when no
  * greedy placement meets the lower bound, a search of up to 20,000,000 work units, a
  * fraction of a second, the whole budget only for a plan at least 1/16 above the bound and
- * a share in proportion to its excess below that), `"pytorch"` (PyTorch's profiling-allocator
+ * a share in proportion to its excess below that; above 1,024 nonzero allocations,
+ * first-fit passes in orders that promote what ended above the bound, within the same
+ * budget, instead of the search), `"pytorch"` (PyTorch's profiling-allocator
  * plan: time order, best fit among free gaps), `"greedy-by-size"`, `"greedy-by-breadth"`,
  * `"greedy-by-area"`, `"greedy-by-lifetime"`, `"greedy-by-time"` (one greedy placement each,
  * every allocation in the smallest gap that holds it), `"first-fit-by-size"` (largest first,

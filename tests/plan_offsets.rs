@@ -607,3 +607,46 @@ fn the_default_packs_a_dense_input_of_mixed_magnitudes_by_first_fit() {
     // The other greedy strategies and the refining that follows them come to 1.85% at best.
     assert!(above(&best) < 0.01, "default: {}", above(&best));
 }
+
+/// A dense input of 1,500 allocations ([`traces::sharded_graph`]), too many for the search:
+/// every greedy order ends at least 2.3% above the bound (first fit by size), and the default
+/// then runs first-fit passes that place earlier the allocations the last plan put above the
+/// bound, which come lower, within its budget.
+#[test]
+fn promoting_passes_lower_a_dense_input_too_large_for_the_search() {
+    let allocs = traces::sharded_graph(1500, 3);
+    let named: Vec<OffsetPlan> = Algorithm::all()
+        .into_iter()
+        .filter(|&alg| alg != Algorithm::Best && alg != Algorithm::Exact)
+        .map(|alg| plan_offsets(&allocs, 1, alg).unwrap())
+        .collect();
+    let greedy_best = named.iter().map(|p| p.arena_size).min().unwrap();
+    let first_fit = plan_offsets(&allocs, 1, Algorithm::FirstFitBySize).unwrap();
+    assert_eq!(first_fit.arena_size, greedy_best);
+
+    let default = plan_offsets_with(&allocs, 1, Algorithm::Best, &PlanOptions::default()).unwrap();
+    validate(&allocs, &default.plan, 1).unwrap();
+    assert!(
+        default.plan.arena_size < greedy_best,
+        "{} against {greedy_best}",
+        default.plan.arena_size
+    );
+    assert!(
+        default.work > 0 && default.work <= 20_000_000,
+        "{}",
+        default.work
+    );
+    assert!(!default.proven_optimal);
+    // The same again: the passes' order depends only on the input.
+    let again = plan_offsets_with(&allocs, 1, Algorithm::Best, &PlanOptions::default()).unwrap();
+    assert_eq!(again, default);
+
+    // A budget below one pass keeps the greedy plan.
+    let tight = PlanOptions {
+        work_budget: Some(1_000),
+        ..PlanOptions::default()
+    };
+    let kept = plan_offsets_with(&allocs, 1, Algorithm::Best, &tight).unwrap();
+    assert_eq!(kept.plan.arena_size, greedy_best);
+    assert_eq!(kept.work, 0);
+}

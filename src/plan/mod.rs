@@ -71,9 +71,11 @@ pub enum Algorithm {
     /// The smallest of the greedy placements below, first fit by size first (all of them,
     /// stopping at the lower bound; fewer on inputs so dense that they would be slow) and,
     /// when none reaches the bound, [`Algorithm::Pytorch`]; then, still above the bound,
-    /// greedy passes in perturbed size orders and a canonical search (see `Exact`) within
-    /// 20,000,000 (`DEFAULT_BEST_WORK`) work units unless [`PlanOptions::work_budget`] says
-    /// otherwise. Never larger than `Pytorch` on any input.
+    /// within 20,000,000 (`DEFAULT_BEST_WORK`) work units unless
+    /// [`PlanOptions::work_budget`] says otherwise: on inputs of up to 1,024 nonzero
+    /// allocations, greedy passes in perturbed size orders and a canonical search (see
+    /// `Exact`); on larger ones, first-fit passes that each place earlier the allocations the
+    /// last plan put above the lower bound. Never larger than `Pytorch` on any input.
     Best,
     /// PyTorch's profiling-allocator plan: allocations and frees in time order, best fit among
     /// free gaps, coalescing on free, growing the arena at its end.
