@@ -71,9 +71,8 @@ pub enum Algorithm {
     /// The smallest of the greedy placements below and first fit by size class (the power of
     /// two at or below the size; longest lifetime first, or earliest first use first), first
     /// fit by size first (all of them, stopping at the lower bound; fewer on inputs so dense
-    /// that they would be slow) and,
-    /// when none reaches the bound, [`Algorithm::Pytorch`]; then, still above the bound,
-    /// within 20,000,000 (`DEFAULT_BEST_WORK`) work units unless
+    /// that they would be slow) and, when none reaches the bound, [`Algorithm::Pytorch`];
+    /// then, still above the bound, within 20,000,000 (`DEFAULT_BEST_WORK`) work units unless
     /// [`PlanOptions::work_budget`] says otherwise: on inputs of up to 1,024 nonzero
     /// allocations, greedy passes in perturbed size orders and a canonical search (see
     /// `Exact`); on larger ones, first-fit passes that each place earlier the allocations the

@@ -92,8 +92,8 @@ impl Order {
 /// half-open: 1.0076 times the bound either way, the default in 19 ms instead of 31). First fit
 /// by size class, longest lifetime first, comes third: allocations of about one size placed
 /// longest first tile time where strict size order leaves holes between them (a synthetic
-/// mix of model traces, 2,000 allocations: 1.0063 times the bound by every other order, 1 by
-/// this one; a dense graph of 4,000: 1.0213 by size, 1.0076). Size classes in time order come
+/// mix of model traces, 2,000 allocations: 1.0063 times the bound by every other order, 1.0000
+/// by this one; a dense graph of 4,000: 1.0213 by size, 1.0076). Size classes in time order come
 /// last (MindSpore's ResNet-50 lifetimes read half-open: 1.0030 times the bound by every other
 /// order, 1.0017 by this one).
 pub(crate) const STRATEGIES: [(Order, Fit); 9] = [
