@@ -267,12 +267,6 @@ impl Problem {
     fn sequence(&self, order: Order, nonzero: &[u32]) -> Vec<u32> {
         use std::cmp::Reverse;
         let len = |i: usize| self.last[i] - self.first[i];
-        // Keys are computed once and sorted with their index: cheaper than looking them up
-        // in every comparison.
-        fn sorted<K: Ord>(mut keyed: Vec<(K, u32)>) -> Vec<u32> {
-            keyed.sort_unstable();
-            keyed.into_iter().map(|(_, i)| i).collect()
-        }
         let keyed = |key: &dyn Fn(usize) -> (u128, u64, u64)| -> Vec<u32> {
             sorted(nonzero.iter().map(|&i| (key(i as usize), i)).collect())
         };
@@ -289,10 +283,6 @@ impl Problem {
                 (!key, self.first[i], 0)
             }),
             Order::Time => keyed(&|i| (u128::from(self.first[i]), !self.sizes[i], 0)),
-            Order::ClassByTime => keyed(&|i| {
-                let class = u128::from(self.sizes[i].ilog2());
-                (!class, self.first[i], !self.sizes[i])
-            }),
             Order::ClassByLifetime => keyed(&|i| {
                 let class = u128::from(self.sizes[i].ilog2());
                 (
@@ -300,6 +290,10 @@ impl Problem {
                     !self.sizes[i],
                     self.first[i],
                 )
+            }),
+            Order::ClassByTime => keyed(&|i| {
+                let class = u128::from(self.sizes[i].ilog2());
+                (!class, self.first[i], !self.sizes[i])
             }),
             Order::Breadth => {
                 let key = self.breadth_keys(nonzero);
@@ -417,6 +411,7 @@ impl Problem {
         deadline: Option<Instant>,
     ) -> PlanOutcome {
         let nonzero = self.nonzero();
+        let mut sequences = Sequences::new(self, &nonzero);
         let mut greedy = Greedy::new(self);
         let bound = greedy.lower_bound();
         debug_assert_eq!(bound, self.lower_bound());
@@ -430,7 +425,7 @@ impl Problem {
                     .name("tensoralloc-plan".into())
                     .spawn_scoped(scope, || self.pytorch_unless(&stop))
                     .ok();
-                let best = self.greedy_strategies(&mut greedy, &nonzero, exhaustive, work);
+                let best = self.greedy_strategies(&mut greedy, &mut sequences, exhaustive, work);
                 stop.store(best.0.arena_size == bound, Relaxed);
                 let pytorch = pytorch.and_then(|t| {
                     t.join()
@@ -440,7 +435,7 @@ impl Problem {
             })
         } else {
             (
-                self.greedy_strategies(&mut greedy, &nonzero, exhaustive, work),
+                self.greedy_strategies(&mut greedy, &mut sequences, exhaustive, work),
                 None,
             )
         };
@@ -461,7 +456,8 @@ impl Problem {
         }
         if !exhaustive && nonzero.len() > SEARCH_PAYS {
             let untried = &STRATEGIES[tried..];
-            let (plan, spent) = self.promoting_passes(&mut greedy, &nonzero, best, untried, work);
+            let (plan, spent) =
+                self.promoting_passes(&mut greedy, &mut sequences, best, untried, work);
             return bounded(plan, bound, spent);
         }
         // Perturbed size orders: cheap, and often closer than any fixed order.
@@ -471,19 +467,19 @@ impl Problem {
         let greedy_work = (work / 2).min(PERTURBED_PASSES * pass_cost);
         while best.arena_size > bound && spent + pass_cost <= greedy_work {
             spent += pass_cost;
-            let mut keyed: Vec<(u64, u32)> = nonzero
-                .iter()
-                .map(|&i| {
-                    rng = splitmix(rng);
-                    // Size scaled by a factor in [1/2, 1).
-                    let noise = (rng >> 33) | (1 << 31);
-                    let size = self.sizes[i as usize];
-                    let key = ((u128::from(size) * u128::from(noise)) >> 32) as u64;
-                    (!key, i)
-                })
-                .collect();
-            keyed.sort_unstable();
-            let sequence: Vec<u32> = keyed.into_iter().map(|(_, i)| i).collect();
+            let sequence = sorted(
+                nonzero
+                    .iter()
+                    .map(|&i| {
+                        rng = splitmix(rng);
+                        // Size scaled by a factor in [1/2, 1).
+                        let noise = (rng >> 33) | (1 << 31);
+                        let size = self.sizes[i as usize];
+                        let key = ((u128::from(size) * u128::from(noise)) >> 32) as u64;
+                        (!key, i)
+                    })
+                    .collect(),
+            );
             let plan = greedy.pass(self, &sequence, Fit::Smallest);
             if plan.arena_size < best.arena_size {
                 best = plan;
@@ -516,7 +512,7 @@ impl Problem {
     fn promoting_passes(
         &self,
         greedy: &mut Greedy,
-        nonzero: &[u32],
+        sequences: &mut Sequences,
         mut best: OffsetPlan,
         untried: &[(Order, Fit)],
         work: u64,
@@ -530,32 +526,34 @@ impl Problem {
                 return (best, spent);
             }
             spent += pass_cost;
-            let plan = greedy.pass(self, &self.sequence(order, nonzero), Fit::Lowest);
+            let plan = greedy.pass(self, sequences.get(order), Fit::Lowest);
             if plan.arena_size < best.arena_size {
                 best = plan;
             }
         }
+        let by_size = sequences.get(Order::Size);
         let mut rank = vec![0u32; self.len()];
-        for (r, &i) in self.size_order(nonzero).iter().enumerate() {
+        for (r, &i) in by_size.iter().enumerate() {
             rank[i as usize] = r as u32;
         }
         let mut shift = vec![0u32; self.len()];
         let mut last = best.clone();
         while best.arena_size > bound && spent + pass_cost <= work {
             spent += pass_cost;
-            let mut keyed: Vec<(Reverse<u128>, u32, u32)> = nonzero
-                .iter()
-                .map(|&i| {
-                    let a = i as usize;
-                    if last.offsets[a] + self.sizes[a] > bound {
-                        // A size (below 2^64) shifted by at most 63 bits fits in 128.
-                        shift[a] = (shift[a] + PROMOTION_SHIFT).min(63);
-                    }
-                    (Reverse(u128::from(self.sizes[a]) << shift[a]), rank[a], i)
-                })
-                .collect();
-            keyed.sort_unstable();
-            let sequence: Vec<u32> = keyed.into_iter().map(|(_, _, i)| i).collect();
+            let sequence = sorted(
+                sequences
+                    .nonzero
+                    .iter()
+                    .map(|&i| {
+                        let a = i as usize;
+                        if last.offsets[a] + self.sizes[a] > bound {
+                            // A size (below 2^64) shifted by at most 63 bits fits in 128.
+                            shift[a] = (shift[a] + PROMOTION_SHIFT).min(63);
+                        }
+                        ((Reverse(u128::from(self.sizes[a]) << shift[a]), rank[a]), i)
+                    })
+                    .collect(),
+            );
             last = greedy.pass(self, &sequence, Fit::Lowest);
             if last.arena_size < best.arena_size {
                 best = last.clone();
@@ -573,7 +571,7 @@ impl Problem {
     fn greedy_strategies(
         &self,
         greedy: &mut Greedy,
-        nonzero: &[u32],
+        sequences: &mut Sequences,
         exhaustive: bool,
         work: u64,
     ) -> (OffsetPlan, usize) {
@@ -581,8 +579,6 @@ impl Problem {
         let pass_work = greedy.work();
         let mut best: Option<OffsetPlan> = None;
         let mut tried = 0;
-        // Strategies of one order share its sequence.
-        let mut sequences: Vec<(Order, Vec<u32>)> = Vec::new();
         for (k, (order, fit)) in STRATEGIES.into_iter().enumerate() {
             if let Some(b) = best.as_ref().filter(|_| !exhaustive) {
                 let excess = b.arena_size - bound;
@@ -593,12 +589,8 @@ impl Problem {
                     break;
                 }
             }
-            let known = sequences.iter().position(|(of, _)| *of == order);
-            let at = known.unwrap_or_else(|| {
-                sequences.push((order, self.sequence(order, nonzero)));
-                sequences.len() - 1
-            });
-            let plan = greedy.pass(self, &sequences[at].1, fit);
+            // Strategies of one order share its sequence.
+            let plan = greedy.pass(self, sequences.get(order), fit);
             tried += 1;
             if best.as_ref().is_none_or(|b| plan.arena_size < b.arena_size) {
                 best = Some(plan);
@@ -617,6 +609,43 @@ fn refining_share(work: u64, excess: u64, bound: u64) -> u64 {
     let full = u128::from(bound / BEST_FULL_EXCESS).max(1);
     let share = u128::from(work) * u128::from(excess) / full;
     share.min(u128::from(work)) as u64
+}
+
+/// The indices of `keyed` in the order of their keys. Keys are computed once and sorted with
+/// their index: cheaper than looking them up in every comparison.
+fn sorted<K: Ord>(mut keyed: Vec<(K, u32)>) -> Vec<u32> {
+    keyed.sort_unstable();
+    keyed.into_iter().map(|(_, i)| i).collect()
+}
+
+/// The placing sequences of the orders one call of [`Problem::best`] uses, each sorted once.
+struct Sequences<'p> {
+    problem: &'p Problem,
+    nonzero: &'p [u32],
+    known: Vec<(Order, Vec<u32>)>,
+}
+
+impl<'p> Sequences<'p> {
+    fn new(problem: &'p Problem, nonzero: &'p [u32]) -> Self {
+        Sequences {
+            problem,
+            nonzero,
+            known: Vec::new(),
+        }
+    }
+
+    /// The nonzero allocations in the order `order` places them.
+    fn get(&mut self, order: Order) -> &[u32] {
+        let at = match self.known.iter().position(|(of, _)| *of == order) {
+            Some(at) => at,
+            None => {
+                let sequence = self.problem.sequence(order, self.nonzero);
+                self.known.push((order, sequence));
+                self.known.len() - 1
+            }
+        };
+        &self.known[at].1
+    }
 }
 
 /// A plan for an input whose lower bound is `bound`, found with `work` units of search.
