@@ -108,8 +108,8 @@ unsafe fn plan_into(
 /// fraction of a second, the whole budget only for a plan at least 1/16 above the bound and
 /// a share in proportion to its excess below that; above 1,024 nonzero allocations,
 /// first-fit passes in orders that promote what ended above the bound, within the same
-/// budget, instead of the search), `"pytorch"` (PyTorch's profiling-allocator
-/// plan: time order, best fit among free gaps), `"greedy-by-size"`, `"greedy-by-breadth"`,
+/// budget, instead of the search), `"pytorch"` (PyTorch's profiling-allocator plan: time
+/// order, best fit among free gaps), `"greedy-by-size"`, `"greedy-by-breadth"`,
 /// `"greedy-by-area"`, `"greedy-by-lifetime"`, `"greedy-by-time"` (one greedy placement each,
 /// every allocation in the smallest gap that holds it), `"first-fit-by-size"` (largest first,
 /// every allocation in the lowest gap that holds it: the fastest greedy pass on dense
@@ -168,7 +168,9 @@ pub extern "C" fn tensoralloc_plan_offsets(
 #[derive(Debug, Clone, Copy, Default)]
 pub struct tensoralloc_plan_options {
     /// Work units the search of `"default"` and `"exact"` may spend (allocations scanned,
-    /// sections checked, neighbours updated: roughly 10^8 a second on one core). 0 means the
+    /// sections checked, neighbours updated: roughly 10^8 a second on one core), and with it
+    /// the greedy passes that refine the plan of `"default"` (each costing its pairs of
+    /// allocations live together plus its allocations). 0 means the
     /// algorithm's default (20,000,000 for `"default"`, 4,000,000,000 for `"exact"`).
     /// `"default"` spends all of it only on a plan at least 1/16 above the lower bound, and
     /// a share in proportion to the excess below that. The plan depends only on the input

@@ -182,7 +182,9 @@ pub fn plan_offsets(
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct PlanOptions {
     /// Work units the search may spend (allocations scanned, sections checked, neighbours
-    /// updated; roughly 10^8 a second on one core). `None`: 20,000,000 (`DEFAULT_BEST_WORK`)
+    /// updated; roughly 10^8 a second on one core), and with it the greedy passes that refine
+    /// `Best`'s plan, each costing its pairs of allocations live together plus its
+    /// allocations. `None`: 20,000,000 (`DEFAULT_BEST_WORK`)
     /// for `Best`, 4,000,000,000 (`DEFAULT_EXACT_WORK`) for `Exact`. `Best` spends all of it
     /// only on a plan at least 1/16 above the lower bound, and a share in proportion to the
     /// excess below that. The plan depends only on the input and this budget, never on the
