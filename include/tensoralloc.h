@@ -45,6 +45,8 @@ typedef struct CUstream_st CUstream_st;
  */
 #define TENSORALLOC_VERSION_PATCH 0
 
+
+
 /**
  * A profiling allocator (opaque). Made by `tensoralloc_profiling_new`, released by
  * `tensoralloc_profiling_free`. Safe to use from several threads (calls are serialized), but
@@ -464,7 +466,9 @@ const char *tensoralloc_last_error(void);
  * (over 1 PiB, e.g. a negative number cast to `size_t`), a device index that does not exist,
  * no usable driver, or out of memory (after returning cached memory to the driver and
  * retrying, except while a private pool is being allocated to; the message gives the
- * device's capacity, its free memory, and what tensoralloc holds).
+ * device's capacity, its free memory, and what tensoralloc holds). A device serves 4,096
+ * streams at once: a new stream beyond them takes over the share of a stream that holds no
+ * memory in use, and gets NULL with a last error only when every one of them holds some.
  */
 void *tensoralloc_malloc(size_t size, int device, CUstream_st *stream);
 

@@ -126,7 +126,9 @@ impl From<DeviceStats> for tensoralloc_device_stats {
 /// (over 1 PiB, e.g. a negative number cast to `size_t`), a device index that does not exist,
 /// no usable driver, or out of memory (after returning cached memory to the driver and
 /// retrying, except while a private pool is being allocated to; the message gives the
-/// device's capacity, its free memory, and what tensoralloc holds).
+/// device's capacity, its free memory, and what tensoralloc holds). A device serves 4,096
+/// streams at once: a new stream beyond them takes over the share of a stream that holds no
+/// memory in use, and gets NULL with a last error only when every one of them holds some.
 #[no_mangle]
 pub extern "C" fn tensoralloc_malloc(
     size: usize,

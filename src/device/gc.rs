@@ -125,7 +125,7 @@ impl DeviceAllocator {
     /// thread holds are left out of this collection.
     fn collect_segments(&self, home: &Shard, home_inner: &mut ShardInner, target: usize) {
         let mut shards: Vec<&Shard> = self.shards.iter().filter(|s| !s.private).collect();
-        shards.sort_by_key(|s| s.stream);
+        shards.sort_by_key(|s| s.stream());
         let mut guards: Vec<Option<_>> = shards
             .iter()
             .map(|s| {

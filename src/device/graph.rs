@@ -230,13 +230,18 @@ impl DeviceAllocator {
             None => {
                 let key = PRIVATE_KEY_BASE - st.next_key;
                 st.next_key += 1;
-                self.shards.get_or_insert(key, |index| Shard {
-                    stream,
-                    index,
-                    private: true,
-                    inner: super::shard::ShardLock::default(),
-                    stats: ShardStats::new(&self.counters),
-                })?
+                // A stream's shard never becomes a private one.
+                self.shards.get_or_insert(
+                    key,
+                    |index| Shard {
+                        stream: AtomicUsize::new(stream),
+                        index,
+                        private: true,
+                        inner: super::shard::ShardLock::default(),
+                        stats: ShardStats::new(&self.counters),
+                    },
+                    |_| false,
+                )?
             }
         };
         st.owner.insert(shard.index, pool);
@@ -368,7 +373,7 @@ impl DeviceAllocator {
             return;
         }
         st.owner.remove(&index);
-        st.retired.entry(shard.stream).or_default().push(index);
+        st.retired.entry(shard.stream()).or_default().push(index);
         let gone = st.pools.get_mut(&pool).is_some_and(|p| {
             p.shards.retain(|_, &mut i| i != index);
             p.shards.is_empty()

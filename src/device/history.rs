@@ -165,7 +165,7 @@ impl DeviceAllocator {
         if self.history.on() {
             let b = inner.block(id);
             self.history
-                .record(action, b.addr, b.requested, shard.stream);
+                .record(action, b.addr, b.requested, shard.stream());
         }
     }
 
@@ -180,7 +180,7 @@ impl DeviceAllocator {
         for shard in self.shards.iter() {
             let inner = shard.inner.lock();
             for blocks in inner.segments() {
-                out.push(segment_info(self.device, shard.stream, &blocks));
+                out.push(segment_info(self.device, shard.stream(), &blocks));
             }
         }
         out.sort_by_key(|s| s.address);

@@ -31,7 +31,7 @@ pub mod stats;
 mod table;
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, AtomicI64, Ordering::Relaxed, Ordering::SeqCst};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicUsize, Ordering::Relaxed, Ordering::SeqCst};
 use std::sync::Arc;
 
 use parking_lot::{MutexGuard, RwLock};
@@ -51,17 +51,33 @@ use stats::{
 use table::ShardTable;
 
 pub use graph::{PoolId, StreamFilter};
+
+/// The most streams a device serves at once. A new stream beyond them takes over the share of
+/// a stream that holds no memory in use (its cached segments go back to the driver); when
+/// every stream holds some, allocating on a new one fails.
+pub const MAX_STREAMS: usize = table::MAX_SHARDS;
 pub use stats::Stat as DeviceStat;
 
 /// One stream's share of a device.
 #[repr(align(128))]
 pub(crate) struct Shard {
-    stream: Stream,
+    /// The stream served; changes only when the shard holds nothing and the device has no
+    /// room for a new stream's shard ([`DeviceAllocator::reuse_shard`]), under the shard's
+    /// lock.
+    stream: AtomicUsize,
     index: u32,
     /// A shard of a graph private pool ([`graph`]) rather than the stream's own.
     private: bool,
     inner: ShardLock,
     stats: ShardStats,
+}
+
+impl Shard {
+    /// The stream this shard serves. Read without the shard's lock, it may be one the shard
+    /// no longer serves ([`DeviceAllocator::reuse_shard`]).
+    pub(crate) fn stream(&self) -> Stream {
+        self.stream.load(Relaxed)
+    }
 }
 
 /// The caching allocator of one device.
@@ -272,13 +288,17 @@ impl DeviceAllocator {
 
     #[inline(always)]
     fn shard(&self, stream: Stream) -> Result<&Shard> {
-        self.shards.get_or_insert(stream, |index| Shard {
+        self.shards.get_or_insert(
             stream,
-            index,
-            private: false,
-            inner: ShardLock::default(),
-            stats: ShardStats::new(&self.counters),
-        })
+            |index| Shard {
+                stream: AtomicUsize::new(stream),
+                index,
+                private: false,
+                inner: ShardLock::default(),
+                stats: ShardStats::new(&self.counters),
+            },
+            |shard| self.reuse_shard(shard, stream),
+        )
     }
 
     fn sink<'a>(&'a self, shard: &'a Shard) -> Sink<'a> {
@@ -436,6 +456,11 @@ impl DeviceAllocator {
         let mut may_lend = self.policy == Policy::Compact && !shard.private;
         let collecting = self.gc_note_request(pool);
         let mut first = shard.inner.lock_memo();
+        if shard.stream() != stream {
+            // The shard moved to another stream after the lookup ([`table`]).
+            drop(first);
+            return self.malloc(size, stream);
+        }
         let replayed = if collecting {
             None
         } else {
@@ -460,6 +485,12 @@ impl DeviceAllocator {
                 Some(inner) => inner,
                 None => shard.inner.lock(),
             };
+            if shard.stream() != stream {
+                // The shard moved to another stream while it was unlocked: it held nothing
+                // then, so this allocation starts again.
+                drop(inner);
+                return self.malloc(size, stream);
+            }
             if !inner.pending.is_empty() && !self.capture_blocks(stream) {
                 self.process_events(shard, &mut inner);
             }
@@ -605,7 +636,7 @@ impl DeviceAllocator {
         let _claim = self.check_limit(|| seg)?;
         let addr = self.driver.mem_alloc(self.device, seg)?;
         DeviceCounters::bump(&self.counters.num_device_alloc);
-        self.note(Action::SegmentAlloc, addr, seg, shard.stream);
+        self.note(Action::SegmentAlloc, addr, seg, shard.stream());
         self.segments.write().insert(addr, (seg, shard.index));
         Ok(inner.add_segment(
             addr,
@@ -672,8 +703,8 @@ impl DeviceAllocator {
                 drop(inner);
                 // The memo's allocation, freed as the full path would.
                 if self.history.on() {
-                    self.note(Action::FreeRequested, ptr, requested, shard.stream);
-                    self.note(Action::FreeCompleted, ptr, requested, shard.stream);
+                    self.note(Action::FreeRequested, ptr, requested, shard.stream());
+                    self.note(Action::FreeCompleted, ptr, requested, shard.stream());
                 }
                 return Ok(true);
             }
@@ -818,7 +849,7 @@ impl DeviceAllocator {
             ))
         };
         let shard = self.owner_of(ptr).ok_or_else(unknown)?;
-        if stream == shard.stream {
+        if stream == shard.stream() {
             // The allocation stream is always waited for implicitly.
             return shard
                 .inner
@@ -917,7 +948,7 @@ impl DeviceAllocator {
         inner.remove_segment(id, self.max_split_size, &mut self.op_sink(shard));
         self.segments.write().remove(&addr);
         DeviceCounters::bump(&self.counters.num_device_free);
-        self.note(Action::SegmentFree, addr, size, shard.stream);
+        self.note(Action::SegmentFree, addr, size, shard.stream());
         Ok(size)
     }
 
@@ -956,6 +987,45 @@ impl DeviceAllocator {
         }
         drop(settle);
         self.settle_left_overdrafts();
+    }
+
+    /// Makes `shard` serve `stream` when the device has no room for a new shard
+    /// ([`table`]): when no allocation of the shard is in use and no event of it is
+    /// outstanding, its cached segments go back to the driver, and if it then holds nothing
+    /// it serves `stream` from now on. Its accumulated statistics stay in the device's sums;
+    /// its headroom of peaks goes with it. Returns whether the shard moved. The caller holds
+    /// the shard table's insertion lock and no shard lock.
+    #[cold]
+    fn reuse_shard(&self, shard: &Shard, stream: Stream) -> bool {
+        if shard.private {
+            return false;
+        }
+        // Never waited for: a shard in use is no candidate.
+        let Some(mut inner) = shard.inner.try_lock() else {
+            return false;
+        };
+        if !inner.pending.is_empty() && !self.capture_blocks(shard.stream()) {
+            self.process_events(shard, &mut inner);
+        }
+        if inner.live.values().next().is_some() || !inner.pending.is_empty() {
+            return false;
+        }
+        // Nothing goes back to the driver while a capture is underway; a shard that already
+        // holds nothing may still move.
+        if !self.capture_blocks(shard.stream()) {
+            let released = self
+                .release_segments(shard, &mut inner, usize::MAX)
+                .and_then(|_| self.release_expandable(shard, &mut inner, usize::MAX));
+            if released.is_err() {
+                return false;
+            }
+        }
+        if !inner.holds_nothing() || !shard.stats.holds_nothing() {
+            return false;
+        }
+        inner.forget_memo();
+        shard.stream.store(stream, Relaxed);
+        true
     }
 
     /// After a settle lock taken without settling is released: settles the overdrafts that

@@ -259,7 +259,7 @@ impl DeviceAllocator {
                 } else {
                     Action::SegmentUnmap
                 };
-                self.note(action, addr, bytes, shard.stream);
+                self.note(action, addr, bytes, shard.stream());
             }
         }
     }
@@ -302,7 +302,7 @@ impl DeviceAllocator {
         let event = self.events.get(&self.driver)?;
         let waited = self
             .driver
-            .event_record(self.device, event, shard.stream)
+            .event_record(self.device, event, shard.stream())
             .and_then(|()| self.driver.event_synchronize(self.device, event));
         self.events.put(event);
         waited
@@ -398,7 +398,10 @@ impl DeviceAllocator {
     /// stream is not being captured (no event may be recorded on it then).
     fn tracks_idle(&self, shard: &Shard, inner: &ShardInner) -> bool {
         !inner.exp.segments.is_empty()
-            && !self.driver.stream_capturing(shard.stream).unwrap_or(false)
+            && !self
+                .driver
+                .stream_capturing(shard.stream())
+                .unwrap_or(false)
     }
 
     /// Advances what is known idle on `shard`'s stream: collects its batch event if it has
@@ -425,7 +428,7 @@ impl DeviceAllocator {
         };
         if self
             .driver
-            .event_record(self.device, event, shard.stream)
+            .event_record(self.device, event, shard.stream())
             .is_err()
         {
             self.events.put(event);

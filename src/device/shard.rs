@@ -547,6 +547,21 @@ impl ShardInner {
         }
     }
 
+    /// Whether the shard holds no block (no segment, cached or in use, and no expandable
+    /// range) and no held memo allocation.
+    pub fn holds_nothing(&self) -> bool {
+        self.blocks.len() == self.spare.len()
+            && self.exp.segments.is_empty()
+            && self.pending.is_empty()
+            && self.held.is_none()
+    }
+
+    /// Forgets the memo and its candidate, before the shard serves another stream.
+    pub fn forget_memo(&mut self) {
+        self.memo = None;
+        self.candidate = None;
+    }
+
     #[cold]
     #[inline(never)]
     fn carry_out_memo(&mut self) {

@@ -267,6 +267,11 @@ impl ShardStats {
         self.over.store(self.over.load(Relaxed) | bit, Relaxed);
     }
 
+    /// Whether every statistic's current value is zero and none is over its limit.
+    pub fn holds_nothing(&self) -> bool {
+        !self.is_over() && self.cells.iter().all(|c| c.current.load(Relaxed) == 0)
+    }
+
     /// Whether some statistic passed its limit and is not settled yet.
     pub fn is_over(&self) -> bool {
         self.over.load(Relaxed) != 0

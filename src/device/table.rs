@@ -1,8 +1,12 @@
-//! An insert-only table from stream handle to shard, read without locks or shared writes.
+//! A table from stream handle to shard, read without locks or shared writes.
 //!
-//! Streams are few and live as long as the process, so shards are never removed. Lookups
-//! read a few atomics that are written only when a stream is first seen, so threads on
-//! different streams share no written cache line. Insertion takes a mutex.
+//! Lookups read a few atomics that are written only when a stream is first seen, so threads
+//! on different streams share no written cache line. Insertion takes a mutex. Shards are
+//! never freed while the table lives: a process has at most [`MAX_SHARDS`] of them per device.
+//! When a new stream finds the table full, a shard that holds nothing (its stream is gone or
+//! idle) moves to the new stream ([`ShardTable::get_or_insert`]'s `reuse`). A lookup racing
+//! with such a move may return the moved shard for its old stream, so callers that act for a
+//! stream check, under the shard's lock, that the shard still serves it.
 
 use std::sync::atomic::{AtomicPtr, AtomicU32, AtomicUsize, Ordering::*};
 
@@ -10,18 +14,28 @@ use parking_lot::Mutex;
 
 use crate::error::{Error, Result};
 
-/// Streams a device can serve.
+/// Streams a device serves at once.
 pub(crate) const MAX_SHARDS: usize = 4096;
 const BUCKETS: usize = MAX_SHARDS * 2;
+/// How many times a full table offers its shards for reuse before a new stream is refused
+/// (about 0.1 s of pauses in all).
+const REUSE_ROUNDS: usize = 25;
+/// The key of a bucket whose shard moved to another stream: an address that no stream
+/// handle has (the lowest non-canonical address of 64-bit machines), refused as a key.
+pub(crate) const VACATED: usize = 1 << (usize::BITS - 1);
 
 pub(crate) struct ShardTable<T> {
     /// Shards by index, in creation order; owned by the table.
     slots: Box<[AtomicPtr<T>]>,
     count: AtomicUsize,
-    /// Open-addressed hash of keys: `index + 1` of the shard, 0 when empty.
+    /// Open-addressed hash of keys: `index + 1` of the shard, 0 when empty. A bucket never
+    /// becomes empty again: a moved shard's old bucket keeps [`VACATED`] as its key until a
+    /// later insertion takes it.
     buckets: Box<[AtomicU32]>,
     keys: Box<[AtomicUsize]>,
-    insert: Mutex<()>,
+    /// Taken to insert or move; holds the index where the next search for a shard to reuse
+    /// starts, so that successive searches take turns over the shards.
+    insert: Mutex<usize>,
 }
 
 fn bucket_of(key: usize) -> usize {
@@ -38,15 +52,17 @@ impl<T> ShardTable<T> {
             count: AtomicUsize::new(0),
             buckets: (0..BUCKETS).map(|_| AtomicU32::new(0)).collect(),
             keys: (0..BUCKETS).map(|_| AtomicUsize::new(0)).collect(),
-            insert: Mutex::new(()),
+            insert: Mutex::new(0),
         }
     }
 
-    /// The shard of `key`, if it exists.
+    /// The shard of `key`, if it exists. While a shard moves to another key, this may return
+    /// it for its old key (module documentation).
     #[inline]
     pub fn get(&self, key: usize) -> Option<&T> {
         let mut b = bucket_of(key);
-        loop {
+        // Every bucket may be taken once shards have moved, so the probe is bounded.
+        for _ in 0..BUCKETS {
             let index = self.buckets[b].load(Acquire);
             if index == 0 {
                 return None;
@@ -56,40 +72,111 @@ impl<T> ShardTable<T> {
             }
             b = (b + 1) & (BUCKETS - 1);
         }
+        None
     }
 
-    /// The shard of `key`, made by `make(index)` if it does not exist yet.
+    /// The shard of `key`, made by `make(index)` if it does not exist yet. When the table is
+    /// full, the shards are offered to `reuse` in turn, starting after the last one reused: the
+    /// first for which it returns true (having made the shard serve `key`, under the shard's
+    /// lock) moves to `key`. Fails when `key` is [`VACATED`], or the table is full and `reuse`
+    /// takes no shard.
     #[inline]
-    pub fn get_or_insert(&self, key: usize, make: impl FnOnce(u32) -> T) -> Result<&T> {
+    pub fn get_or_insert(
+        &self,
+        key: usize,
+        make: impl FnOnce(u32) -> T,
+        reuse: impl FnMut(&T) -> bool,
+    ) -> Result<&T> {
         if let Some(shard) = self.get(key) {
             return Ok(shard);
         }
-        self.insert_slow(key, make)
+        self.insert_slow(key, make, reuse)
     }
 
     #[cold]
-    fn insert_slow(&self, key: usize, make: impl FnOnce(u32) -> T) -> Result<&T> {
-        let _guard = self.insert.lock();
+    fn insert_slow(
+        &self,
+        key: usize,
+        make: impl FnOnce(u32) -> T,
+        mut reuse: impl FnMut(&T) -> bool,
+    ) -> Result<&T> {
+        if key == VACATED {
+            return Err(Error::InvalidArgument(format!(
+                "stream {key:#x} is not a stream handle"
+            )));
+        }
+        let mut next_reuse = self.insert.lock();
         if let Some(shard) = self.get(key) {
             return Ok(shard);
         }
         let index = self.count.load(Relaxed);
-        if index >= MAX_SHARDS {
-            return Err(Error::InvalidArgument(format!(
-                "too many streams: a device serves at most {MAX_SHARDS} distinct streams"
-            )));
+        if index < MAX_SHARDS {
+            let shard = Box::into_raw(Box::new(make(index as u32)));
+            self.slots[index].store(shard, Release);
+            self.count.store(index + 1, Release);
+            self.place(key, index);
+            // SAFETY: `shard` was just made from a Box and is only freed when the table drops.
+            return Ok(unsafe { &*shard });
         }
-        let shard = Box::into_raw(Box::new(make(index as u32)));
-        self.slots[index].store(shard, Release);
-        self.count.store(index + 1, Release);
+        // `reuse` passes over shards whose lock is taken (a settle of peaks may hold every
+        // shard's lock for a moment), so the shards are offered a few times, with pauses.
+        let mut pause = std::time::Duration::from_micros(50);
+        for round in 0..REUSE_ROUNDS {
+            if round > 0 {
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(std::time::Duration::from_millis(5));
+            }
+            for step in 0..MAX_SHARDS {
+                let index = (*next_reuse + step) % MAX_SHARDS;
+                let Some(shard) = self.by_index(index as u32) else {
+                    continue;
+                };
+                if reuse(shard) {
+                    *next_reuse = (index + 1) % MAX_SHARDS;
+                    self.vacate(index);
+                    self.place(key, index);
+                    return Ok(shard);
+                }
+            }
+        }
+        Err(Error::InvalidArgument(format!(
+            "too many streams: a device serves at most {MAX_SHARDS} streams at once, and every \
+             one of them holds memory (allocations in use, or work queued on it)"
+        )))
+    }
+
+    /// Maps `key` to shard `index` in the first bucket of `key`'s probe that is empty or
+    /// vacated. The caller holds the insertion lock.
+    fn place(&self, key: usize, index: usize) {
         let mut b = bucket_of(key);
-        while self.buckets[b].load(Relaxed) != 0 {
+        loop {
+            let taken = self.buckets[b].load(Relaxed);
+            if taken == 0 {
+                // Readers that see the bucket taken see its key.
+                self.keys[b].store(key, Relaxed);
+                self.buckets[b].store(index as u32 + 1, Release);
+                return;
+            }
+            if self.keys[b].load(Relaxed) == VACATED {
+                // A reader may see the old index with the new key: it gets a shard that does
+                // not serve `key`, which the callers' check under the shard's lock catches.
+                self.buckets[b].store(index as u32 + 1, Release);
+                self.keys[b].store(key, Release);
+                return;
+            }
+            // At most MAX_SHARDS buckets hold a key, so an empty or vacated one comes.
             b = (b + 1) & (BUCKETS - 1);
         }
-        self.keys[b].store(key, Relaxed);
-        self.buckets[b].store(index as u32 + 1, Release);
-        // SAFETY: `shard` was just made from a Box and is only freed when the table drops.
-        Ok(unsafe { &*shard })
+    }
+
+    /// Marks the bucket of shard `index` vacated. The caller holds the insertion lock.
+    fn vacate(&self, index: usize) {
+        let wanted = index as u32 + 1;
+        for (bucket, key) in self.buckets.iter().zip(self.keys.iter()) {
+            if bucket.load(Relaxed) == wanted && key.load(Relaxed) != VACATED {
+                key.store(VACATED, Release);
+            }
+        }
     }
 
     /// The shard with creation index `index`.
