@@ -195,3 +195,27 @@ fn shards_move_between_streams_safely_under_threads() {
     a.empty_cache().unwrap();
     assert_eq!(sim.used(0), 0);
 }
+
+/// Under expandable segments a stream's free pages stay mapped until the cache is emptied
+/// (unmapping them would wait for its stream, which may be gone): its shard moves after that.
+#[test]
+fn streams_with_mapped_pages_give_their_shards_up_after_empty_cache() {
+    let config = Config::parse("expandable_segments:True").unwrap();
+    // Room for a page of every stream, and address space for every stream's range (each
+    // 1 1/8 of the device): no growth runs out of either, which would empty the cache.
+    let sim = SimDriver::shared(1, 10 * GIB as u64).unwrap();
+    let a = DeviceAllocator::new(sim.clone(), 0, &config).unwrap();
+    for s in streams(MAX_STREAMS) {
+        let p = a.malloc(4 * KIB, s).unwrap();
+        a.free(p, Some(s)).unwrap();
+    }
+    let newcomer = streams(1)[0];
+    let e = a.malloc(4 * KIB, newcomer).unwrap_err();
+    assert!(too_many_streams(&e), "{e}");
+    assert!(e.to_string().contains("empty_cache"), "{e}");
+    a.empty_cache().unwrap();
+    assert_eq!(sim.used(0), 0);
+    let p = a.malloc(4 * KIB, newcomer).unwrap();
+    a.free(p, Some(newcomer)).unwrap();
+    assert_eq!(a.stats().allocated_bytes[AGG].current, 0);
+}

@@ -51,12 +51,12 @@ use stats::{
 use table::ShardTable;
 
 pub use graph::{PoolId, StreamFilter};
+pub use stats::Stat as DeviceStat;
 
 /// The most streams a device serves at once. A new stream beyond them takes over the share of
 /// a stream that holds no memory in use (its cached segments go back to the driver); when
 /// every stream holds some, allocating on a new one fails.
 pub const MAX_STREAMS: usize = table::MAX_SHARDS;
-pub use stats::Stat as DeviceStat;
 
 /// One stream's share of a device.
 #[repr(align(128))]
@@ -995,6 +995,10 @@ impl DeviceAllocator {
     /// it serves `stream` from now on. Its accumulated statistics stay in the device's sums;
     /// its headroom of peaks goes with it. Returns whether the shard moved. The caller holds
     /// the shard table's insertion lock and no shard lock.
+    ///
+    /// The shard's own stream may have been destroyed, so nothing here passes it to the
+    /// driver: a shard with free pages of an expandable segment still mapped (unmapping waits
+    /// for the work queued on its stream) stays until the cache is emptied.
     #[cold]
     fn reuse_shard(&self, shard: &Shard, stream: Stream) -> bool {
         if shard.private {
@@ -1004,21 +1008,21 @@ impl DeviceAllocator {
         let Some(mut inner) = shard.inner.try_lock() else {
             return false;
         };
-        if !inner.pending.is_empty() && !self.capture_blocks(shard.stream()) {
+        // Nothing goes back to the driver while a capture is underway; a shard that already
+        // holds nothing may still move.
+        let capturing = self.capture_blocks(stream);
+        if !inner.pending.is_empty() && !capturing {
             self.process_events(shard, &mut inner);
         }
         if inner.live.values().next().is_some() || !inner.pending.is_empty() {
             return false;
         }
-        // Nothing goes back to the driver while a capture is underway; a shard that already
-        // holds nothing may still move.
-        if !self.capture_blocks(shard.stream()) {
-            let released = self
-                .release_segments(shard, &mut inner, usize::MAX)
-                .and_then(|_| self.release_expandable(shard, &mut inner, usize::MAX));
-            if released.is_err() {
-                return false;
-            }
+        let released = capturing
+            || (self.release_segments(shard, &mut inner, usize::MAX).is_ok()
+                && self.free_mapped(shard) == 0
+                && self.release_expandable(shard, &mut inner, 0).is_ok());
+        if !released {
+            return false;
         }
         if !inner.holds_nothing() || !shard.stats.holds_nothing() {
             return false;

@@ -73,7 +73,7 @@ const MIN_RECLAIM: i64 = 2 << 20;
 
 impl DeviceAllocator {
     /// Bytes of `shard` that are mapped but hold no active block.
-    fn free_mapped(&self, shard: &Shard) -> i64 {
+    pub(super) fn free_mapped(&self, shard: &Shard) -> i64 {
         let cell = |kind| {
             shard.stats.cells[stats::aggregate(kind)]
                 .current

@@ -548,10 +548,10 @@ impl ShardInner {
     }
 
     /// Whether the shard holds no block (no segment, cached or in use, and no expandable
-    /// range) and no held memo allocation.
+    /// range still reserved) and no held memo allocation.
     pub fn holds_nothing(&self) -> bool {
         self.blocks.len() == self.spare.len()
-            && self.exp.segments.is_empty()
+            && self.exp.segments.iter().all(|s| !s.live)
             && self.pending.is_empty()
             && self.held.is_none()
     }

@@ -141,7 +141,8 @@ impl<T> ShardTable<T> {
         }
         Err(Error::InvalidArgument(format!(
             "too many streams: a device serves at most {MAX_SHARDS} streams at once, and every \
-             one of them holds memory (allocations in use, or work queued on it)"
+             one of them holds memory (allocations in use, frees waiting for work queued on \
+             other streams, or mapped pages of expandable segments, which empty_cache returns)"
         )))
     }
 
