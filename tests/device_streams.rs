@@ -72,6 +72,9 @@ fn streams_that_hold_memory_keep_their_shards() {
         .iter()
         .map(|&s| a.malloc(4 * KIB, s).unwrap())
         .collect();
+    // A busy stream's whole free segments stay cached too.
+    let big = a.malloc(3 * MIB, held[1]).unwrap();
+    a.free(big, Some(held[1])).unwrap();
     let newcomer = streams(1)[0];
     let e = a.malloc(4 * KIB, newcomer).unwrap_err();
     assert!(too_many_streams(&e), "{e}");
@@ -79,6 +82,7 @@ fn streams_that_hold_memory_keep_their_shards() {
     // The refusal changed nothing.
     assert_eq!(a.stats().allocation[AGG].current, MAX_STREAMS as i64);
     assert_eq!(a.stats().num_device_free, 0);
+    assert_eq!(a.stats().segment[AGG].current, MAX_STREAMS as i64 + 1);
 
     // One stream frees its allocation: its block stays cached on it until a new stream
     // needs its shard, and then goes back to the driver, not to the new stream.
