@@ -5,8 +5,8 @@
 //! never freed while the table lives: a process has at most [`MAX_SHARDS`] of them per device.
 //! When a new stream finds the table full, a shard that holds nothing (its stream is gone or
 //! idle) moves to the new stream ([`ShardTable::get_or_insert`]'s `reuse`). A lookup racing
-//! with such a move may return the moved shard for its old stream, so callers that act for a
-//! stream check, under the shard's lock, that the shard still serves it.
+//! with such a move may return a shard that does not serve the stream looked up, so callers
+//! that act for a stream check, under the shard's lock, that the shard serves it.
 
 use std::sync::atomic::{AtomicPtr, AtomicU32, AtomicUsize, Ordering::*};
 
@@ -56,8 +56,9 @@ impl<T> ShardTable<T> {
         }
     }
 
-    /// The shard of `key`, if it exists. While a shard moves to another key, this may return
-    /// it for its old key (module documentation).
+    /// The shard of `key`, if it exists. While a shard moves to another key, this may return a
+    /// shard that does not serve `key`: the moving one for its old key, or, for the new key,
+    /// the shard whose vacated bucket the move takes (module documentation).
     #[inline]
     pub fn get(&self, key: usize) -> Option<&T> {
         let mut b = bucket_of(key);
