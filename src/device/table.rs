@@ -58,9 +58,14 @@ impl<T> ShardTable<T> {
 
     /// The shard of `key`, if it exists. While a shard moves to another key, this may return a
     /// shard that does not serve `key`: the moving one for its old key, or, for the new key,
-    /// the shard whose vacated bucket the move takes (module documentation).
+    /// the shard whose vacated bucket the move takes (module documentation). Never a shard
+    /// for [`VACATED`].
     #[inline]
     pub fn get(&self, key: usize) -> Option<&T> {
+        // Vacated buckets hold that key: it names no shard.
+        if key == VACATED {
+            return None;
+        }
         let mut b = bucket_of(key);
         // Every bucket may be taken once shards have moved, so the probe is bounded.
         for _ in 0..BUCKETS {
@@ -213,3 +218,40 @@ impl<T> Drop for ShardTable<T> {
 unsafe impl<T: Send + Sync> Sync for ShardTable<T> {}
 // SAFETY: as above; the raw pointers are owned boxes.
 unsafe impl<T: Send + Sync> Send for ShardTable<T> {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicUsize;
+
+    /// A full table's shard moves from the stream hashed where the vacated key hashes: the
+    /// vacated key still finds no shard, and is refused as a stream.
+    #[test]
+    fn the_vacated_key_never_finds_a_moved_shard() {
+        let table: ShardTable<AtomicUsize> = ShardTable::new();
+        let first = (0..)
+            .find(|&k| k != VACATED && bucket_of(k) == bucket_of(VACATED))
+            .unwrap();
+        let make = |key: usize| move |_| AtomicUsize::new(key);
+        table.get_or_insert(first, make(first), |_| false).unwrap();
+        for key in (1..).map(|k| first + k).take(MAX_SHARDS - 1) {
+            table.get_or_insert(key, make(key), |_| false).unwrap();
+        }
+        let newcomer = usize::MAX / 4;
+        let moved = table
+            .get_or_insert(newcomer, make(newcomer), |s| {
+                s.load(Relaxed) == first && {
+                    s.store(newcomer, Relaxed);
+                    true
+                }
+            })
+            .unwrap();
+        assert_eq!(moved.load(Relaxed), newcomer);
+        assert!(std::ptr::eq(table.get(newcomer).unwrap(), moved));
+        assert!(table.get(first).is_none());
+        assert!(table.get(VACATED).is_none());
+        assert!(table
+            .get_or_insert(VACATED, make(VACATED), |_| true)
+            .is_err());
+    }
+}
