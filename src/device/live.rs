@@ -140,6 +140,11 @@ impl LiveTable {
         self.get(addr).is_some()
     }
 
+    /// Whether no address is mapped.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0 && self.zero.is_none()
+    }
+
     /// Every mapped id, in no particular order.
     pub fn values(&self) -> impl Iterator<Item = &u32> {
         self.slots

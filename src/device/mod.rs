@@ -288,17 +288,21 @@ impl DeviceAllocator {
 
     #[inline(always)]
     fn shard(&self, stream: Stream) -> Result<&Shard> {
-        self.shards.get_or_insert(
-            stream,
-            |index| Shard {
-                stream: AtomicUsize::new(stream),
-                index,
-                private: false,
-                inner: ShardLock::default(),
-                stats: ShardStats::new(&self.counters),
-            },
-            |shard| self.reuse_shard(shard, stream),
-        )
+        // When the table is full: whether a capture blocks returning memory, looked up once
+        // for all the shards offered.
+        let mut capturing = None;
+        let reuse = move |shard: &Shard| {
+            let capturing = *capturing.get_or_insert_with(|| self.capture_blocks(stream));
+            self.reuse_shard(shard, stream, capturing)
+        };
+        let make = |index| Shard {
+            stream: AtomicUsize::new(stream),
+            index,
+            private: false,
+            inner: ShardLock::default(),
+            stats: ShardStats::new(&self.counters),
+        };
+        self.shards.get_or_insert(stream, make, reuse)
     }
 
     fn sink<'a>(&'a self, shard: &'a Shard) -> Sink<'a> {
@@ -483,14 +487,17 @@ impl DeviceAllocator {
         loop {
             let mut inner = match first.take() {
                 Some(inner) => inner,
-                None => shard.inner.lock(),
+                None => {
+                    let inner = shard.inner.lock();
+                    if shard.stream() != stream {
+                        // The shard moved to another stream while it was unlocked: it held
+                        // nothing then, so this allocation starts again.
+                        drop(inner);
+                        return self.malloc(size, stream);
+                    }
+                    inner
+                }
             };
-            if shard.stream() != stream {
-                // The shard moved to another stream while it was unlocked: it held nothing
-                // then, so this allocation starts again.
-                drop(inner);
-                return self.malloc(size, stream);
-            }
             if !inner.pending.is_empty() && !self.capture_blocks(stream) {
                 self.process_events(shard, &mut inner);
             }
@@ -994,13 +1001,14 @@ impl DeviceAllocator {
     /// outstanding, its cached segments go back to the driver, and if it then holds nothing
     /// it serves `stream` from now on. Its accumulated statistics stay in the device's sums;
     /// its headroom of peaks goes with it. Returns whether the shard moved. The caller holds
-    /// the shard table's insertion lock and no shard lock.
+    /// the shard table's insertion lock and no shard lock; `capturing` is whether nothing may
+    /// go back to the driver now ([`DeviceAllocator::capture_blocks`] of `stream`).
     ///
     /// The shard's own stream may have been destroyed, so nothing here passes it to the
     /// driver: a shard with free pages of an expandable segment still mapped (unmapping waits
     /// for the work queued on its stream) stays until the cache is emptied.
     #[cold]
-    fn reuse_shard(&self, shard: &Shard, stream: Stream) -> bool {
+    fn reuse_shard(&self, shard: &Shard, stream: Stream, capturing: bool) -> bool {
         if shard.private {
             return false;
         }
@@ -1010,11 +1018,10 @@ impl DeviceAllocator {
         };
         // Nothing goes back to the driver while a capture is underway; a shard that already
         // holds nothing may still move.
-        let capturing = self.capture_blocks(stream);
         if !inner.pending.is_empty() && !capturing {
             self.process_events(shard, &mut inner);
         }
-        if inner.live.values().next().is_some() || !inner.pending.is_empty() {
+        if !inner.live.is_empty() || !inner.pending.is_empty() {
             return false;
         }
         let released = capturing

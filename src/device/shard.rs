@@ -547,13 +547,10 @@ impl ShardInner {
         }
     }
 
-    /// Whether the shard holds no block (no segment, cached or in use, and no expandable
-    /// range still reserved) and no held memo allocation.
+    /// Whether the shard holds no block (no segment, cached or in use, so no event pending
+    /// and no held memo allocation either) and no expandable range still reserved.
     pub fn holds_nothing(&self) -> bool {
-        self.blocks.len() == self.spare.len()
-            && self.exp.segments.iter().all(|s| !s.live)
-            && self.pending.is_empty()
-            && self.held.is_none()
+        self.blocks.len() == self.spare.len() && self.exp.segments.iter().all(|s| !s.live)
     }
 
     /// Forgets the memo and its candidate, before the shard serves another stream.

@@ -453,7 +453,7 @@ impl Floors {
     }
 
     fn clear(&mut self) {
-        self.floors.iter_mut().for_each(|f| *f = 0);
+        self.floors.fill(0);
     }
 
     /// The highest floor among the nodes that leaves `lo..hi` split into: no gap of an
