@@ -468,7 +468,10 @@ const char *tensoralloc_last_error(void);
  * retrying, except while a private pool is being allocated to; the message gives the
  * device's capacity, its free memory, and what tensoralloc holds). A device serves 4,096
  * streams at once: a new stream beyond them takes over the share of a stream that holds no
- * memory in use, and gets NULL with a last error only when every one of them holds some.
+ * memory (none allocated, no free waiting for other streams' work, and under expandable
+ * segments no free page still mapped: `tensoralloc_empty_cache` returns those), and gets NULL
+ * with a last error only when every one of them holds some. The stream handle
+ * `0x8000000000000000` names no stream and gets NULL with a last error.
  */
 void *tensoralloc_malloc(size_t size, int device, CUstream_st *stream);
 

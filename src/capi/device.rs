@@ -128,7 +128,10 @@ impl From<DeviceStats> for tensoralloc_device_stats {
 /// retrying, except while a private pool is being allocated to; the message gives the
 /// device's capacity, its free memory, and what tensoralloc holds). A device serves 4,096
 /// streams at once: a new stream beyond them takes over the share of a stream that holds no
-/// memory in use, and gets NULL with a last error only when every one of them holds some.
+/// memory (none allocated, no free waiting for other streams' work, and under expandable
+/// segments no free page still mapped: `tensoralloc_empty_cache` returns those), and gets NULL
+/// with a last error only when every one of them holds some. The stream handle
+/// `0x8000000000000000` names no stream and gets NULL with a last error.
 #[no_mangle]
 pub extern "C" fn tensoralloc_malloc(
     size: usize,
