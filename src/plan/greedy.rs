@@ -21,7 +21,11 @@
 //! leaves, a height below which every byte is taken at one of its leaves; first fit starts
 //! at the highest such floor among the nodes an allocation's range splits into. On
 //! MindSpore's PanGu-13B lifetimes that skips about two thirds of the ranges merged; inputs
-//! whose allocations have few live neighbours, where merges are short, go without.
+//! whose allocations have few live neighbours, where merges are short, go without. On dense
+//! graphs every time step's busy bytes are full of holes that other steps fill, so no range
+//! of steps within a lifetime shows the union solid: a pass whose merges stay long also keeps
+//! floors per lifetime ([`LifetimeFloors`]), the lowest free byte each placement found for
+//! its own lifetime, and starts at the highest of those recorded within the allocation's.
 
 use super::{OffsetPlan, Problem};
 
@@ -60,6 +64,14 @@ pub(crate) struct Greedy {
     /// starts there instead of at byte 0. Kept only on inputs whose allocations are each live
     /// with many others ([`FLOOR_PAIRS`]).
     floors: Option<Floors>,
+    /// Floors per lifetime ([`LifetimeFloors`]), made once first fit is seen to merge long
+    /// lists ([`LONG_MERGE`]).
+    lifetime_floors: Option<LifetimeFloors>,
+    /// Whether a pass may make [`LifetimeFloors`] when its merges are long.
+    judge_merges: bool,
+    /// First-fit placements in this pass, and the ranges their merges read.
+    fitted: usize,
+    merged: usize,
     offsets: Vec<u64>,
 }
 
@@ -113,6 +125,10 @@ impl Greedy {
             tiny: peak >> TINY_SHIFT,
             floors: (pairs >= FLOOR_PAIRS.saturating_mul(nonzero.len()))
                 .then(|| Floors::new(leaves)),
+            lifetime_floors: None,
+            judge_merges: true,
+            fitted: 0,
+            merged: 0,
             offsets: vec![0; p.len()],
         }
     }
@@ -136,6 +152,10 @@ impl Greedy {
         if let Some(floors) = &mut self.floors {
             floors.clear();
         }
+        if let Some(floors) = &mut self.lifetime_floors {
+            floors.clear();
+        }
+        (self.fitted, self.merged) = (0, 0);
         self.offsets.iter_mut().for_each(|o| *o = 0);
         let tiny = self.tiny;
         let mut arena = 0u64;
@@ -161,9 +181,33 @@ impl Greedy {
             Fit::Lowest => {
                 self.gather_lists(lo, hi);
                 let floor = self.floors.as_ref().map_or(0, |f| f.under(span));
-                let (offset, hole) = first_fit(&self.lists.pool, &mut self.runs, size, floor);
+                let floor = floor.max(self.lifetime_floors.as_ref().map_or(0, |f| f.under(span)));
+                let (offset, hole) = first_fit(
+                    &self.lists.pool,
+                    &mut self.runs,
+                    size,
+                    floor,
+                    &mut self.merged,
+                );
                 if let Some(floors) = &mut self.floors {
                     floors.raise(span, hole, (offset, offset + size));
+                }
+                if let Some(floors) = &mut self.lifetime_floors {
+                    // Busy up to the hole, and past the allocation when it went there; a
+                    // height no higher than a floor within the lifetime tells nothing new.
+                    let height = if offset == hole { offset + size } else { hole };
+                    if height > floor {
+                        floors.raise(span, height);
+                    }
+                }
+                self.fitted += 1;
+                if self.judge_merges
+                    && self.lifetime_floors.is_none()
+                    && self.fitted >= LONG_MERGE_AFTER
+                    && self.merged >= LONG_MERGE * self.fitted
+                {
+                    let spans = self.span.iter().copied().filter(|&(lo, hi)| lo < hi);
+                    self.lifetime_floors = Some(LifetimeFloors::new(self.leaves, spans));
                 }
                 offset
             }
@@ -251,6 +295,7 @@ fn first_fit(
     runs: &mut Vec<(usize, usize)>,
     size: u64,
     floor: u64,
+    merged: &mut usize,
 ) -> (u64, u64) {
     if floor > 0 {
         runs.retain_mut(|(at, end)| {
@@ -277,6 +322,7 @@ fn first_fit(
             }
         }
         top = top.max(pool[runs[k].0].1);
+        *merged += 1;
         runs[k].0 += 1;
         if runs[k].0 == runs[k].1 {
             runs.swap_remove(k);
@@ -425,6 +471,16 @@ impl Lists {
 /// on the synthetic model traces of `cargo bench --bench plan` (2–200) 5–8% more.
 const FLOOR_PAIRS: usize = 256;
 
+/// A pass keeps [`LifetimeFloors`] from the moment its first-fit placements (at least
+/// [`LONG_MERGE_AFTER`] of them) have merged this many ranges each on average, and so do the
+/// later passes over the same input. Looking up and raising them costs about a microsecond
+/// per placement, which pays where a merge reads hundreds of ranges (dense graphs of sharded
+/// models, `traces::sharded_graph`: 150–800), not where it reads a few dozen (synthetic
+/// transformer training traces of 60,000 allocations, where they doubled a pass's time).
+const LONG_MERGE: usize = 64;
+/// First-fit placements a pass makes before it judges its merges ([`LONG_MERGE`]).
+const LONG_MERGE_AFTER: usize = 256;
+
 /// Busy floors of ranges of leaves, each a lower bound on the lowest byte that no placed
 /// allocation live at one of the range's leaves takes, over a perfect binary tree (node 1 the
 /// root, node `n`'s children `2n` and `2n + 1`, leaf `k` at `width + k` for the `width` leaves,
@@ -484,24 +540,160 @@ impl Floors {
     }
 }
 
+/// Busy floors: for each lifetime of the input (a range of leaves), a lower bound on the
+/// lowest byte that the union of the placed allocations live during it leaves free. Every
+/// first-fit placement finds that byte for its own lifetime (the hole below its gap), and
+/// the placed allocations only grow during a pass, so a floor once true stays true. A lifetime
+/// within another has a union within the other's, so an allocation's floor is the highest
+/// recorded for a lifetime within its own: a query of the lifetimes that start at or after
+/// its first leaf and end at or before its last, answered by a two-dimensional Fenwick tree of
+/// maxima (first leaf, descending, outside; end inside, over the ends that occur): a lookup or
+/// a raise walks a logarithm of inner trees, a logarithm of nodes each.
+///
+/// Dense layouts leave the busy bytes of any one time step full of small holes, which other
+/// steps fill: an allocation's neighbours then reach solid well above what any single step,
+/// or any tree node within its lifetime, shows. On `traces::sharded_graph` of 62,200
+/// allocations a first-fit pass reads about 830 ranges per placement with [`Floors`] alone and
+/// 130 with these as well.
+struct LifetimeFloors {
+    leaves: usize,
+    /// Outer node `k` (1-based) holds the ranges whose reversed first leaf `leaves - lo` lies
+    /// in its Fenwick span: their end leaves, sorted and distinct, at `ends[at[k]..at[k + 1]]`,
+    /// and the inner Fenwick tree of maxima over them at the same places of `best`.
+    at: Vec<usize>,
+    ends: Vec<u32>,
+    best: Vec<u64>,
+}
+
+impl LifetimeFloors {
+    /// Floors for the lifetimes `spans` (ranges of leaves `lo..hi`, `lo < hi <= leaves`), all
+    /// at 0.
+    fn new(leaves: usize, spans: impl Iterator<Item = (u32, u32)>) -> LifetimeFloors {
+        let mut spans: Vec<(u32, u32)> = spans.collect();
+        spans.sort_unstable();
+        spans.dedup();
+        let mut members: Vec<Vec<u32>> = vec![Vec::new(); leaves + 1];
+        for &(lo, hi) in &spans {
+            let mut k = leaves - lo as usize;
+            while k <= leaves {
+                members[k].push(hi);
+                k += k & k.wrapping_neg();
+            }
+        }
+        let mut at = Vec::with_capacity(leaves + 2);
+        let mut ends = Vec::new();
+        at.push(0);
+        for list in &mut members {
+            list.sort_unstable();
+            list.dedup();
+            ends.extend_from_slice(list);
+            at.push(ends.len());
+        }
+        let best = vec![0; ends.len()];
+        LifetimeFloors {
+            leaves,
+            at,
+            ends,
+            best,
+        }
+    }
+
+    fn clear(&mut self) {
+        self.best.fill(0);
+    }
+
+    /// The highest floor recorded for a lifetime within leaves `lo..hi`: no gap of an
+    /// allocation live at all of them lies lower.
+    #[inline]
+    fn under(&self, (lo, hi): (usize, usize)) -> u64 {
+        let hi = hi as u32;
+        let mut floor = 0;
+        let mut k = self.leaves - lo;
+        while k > 0 {
+            let (from, to) = (self.at[k], self.at[k + 1]);
+            let mut j = self.ends[from..to].partition_point(|&e| e <= hi);
+            while j > 0 {
+                floor = floor.max(self.best[from + j - 1]);
+                j &= j - 1;
+            }
+            k &= k - 1;
+        }
+        floor
+    }
+
+    /// Records that the placed allocations live during leaves `lo..hi`, one of the lifetimes
+    /// it was made for, leave no free byte below `height`.
+    #[inline]
+    fn raise(&mut self, (lo, hi): (usize, usize), height: u64) {
+        let hi = hi as u32;
+        let mut k = self.leaves - lo;
+        while k <= self.leaves {
+            let (from, to) = (self.at[k], self.at[k + 1]);
+            let ends = &self.ends[from..to];
+            let mut j = ends.partition_point(|&e| e < hi) + 1;
+            debug_assert!(j <= ends.len() && ends[j - 1] == hi);
+            while j <= ends.len() && self.best[from + j - 1] < height {
+                self.best[from + j - 1] = height;
+                j += j & j.wrapping_neg();
+            }
+            k += k & k.wrapping_neg();
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::plan::offsets::splitmix;
     use proptest::prelude::*;
 
-    /// A pass with floors kept or not, whatever the input's density.
-    fn pass(p: &Problem, sequence: &[u32], fit: Fit, floors: bool) -> OffsetPlan {
+    /// Which floors a test pass keeps, whatever the input's density.
+    #[derive(Clone, Copy, Debug)]
+    enum Kept {
+        None,
+        Nodes,
+        Lifetimes,
+        Both,
+    }
+
+    /// A pass keeping the floors `kept` says, and no others.
+    fn pass(p: &Problem, sequence: &[u32], fit: Fit, kept: Kept) -> OffsetPlan {
         let mut greedy = Greedy::new(p);
-        greedy.floors = floors.then(|| Floors::new(greedy.leaves));
+        let (nodes, lifetimes) = match kept {
+            Kept::None => (false, false),
+            Kept::Nodes => (true, false),
+            Kept::Lifetimes => (false, true),
+            Kept::Both => (true, true),
+        };
+        greedy.judge_merges = false;
+        greedy.floors = nodes.then(|| Floors::new(greedy.leaves));
+        let spans = p.nonzero().into_iter().map(|i| greedy.span[i as usize]);
+        greedy.lifetime_floors = lifetimes.then(|| LifetimeFloors::new(greedy.leaves, spans));
         greedy.pass(p, sequence, fit)
     }
 
+    /// A dense graph's first-fit pass merges long lists and takes on lifetime floors by
+    /// itself, and they move nothing: the plan is the one made without any floors.
+    #[test]
+    fn a_dense_pass_takes_on_lifetime_floors_that_move_nothing() {
+        let allocs = crate::plan::traces::sharded_graph(5000, 5);
+        let p = Problem::new(&allocs, 1).unwrap();
+        let mut by_size = p.nonzero();
+        by_size.sort_by_key(|&i| (std::cmp::Reverse(p.sizes[i as usize]), i));
+        let mut greedy = Greedy::new(&p);
+        assert!(greedy.lifetime_floors.is_none());
+        let plan = greedy.pass(&p, &by_size, Fit::Lowest);
+        assert!(greedy.lifetime_floors.is_some());
+        assert!(greedy.merged >= LONG_MERGE * LONG_MERGE_AFTER);
+        assert_eq!(plan, pass(&p, &by_size, Fit::Lowest, Kept::None));
+    }
+
     proptest! {
-        /// Floors only let first fit skip ranges that it would merge past anyway: with them
-        /// or without, a pass puts every allocation at the same offset, placing by size or in
-        /// a shuffled order, by first fit or by best fit (whose tiny allocations go by first
-        /// fit). Sizes span six magnitudes and lifetimes overlap heavily, so merges are long.
+        /// Floors only let first fit skip ranges that it would merge past anyway: with either
+        /// kind, both or none, a pass puts every allocation at the same offset, placing by
+        /// size or in a shuffled order, by first fit or by best fit (whose tiny allocations go
+        /// by first fit). Sizes span six magnitudes and lifetimes overlap heavily, so merges
+        /// are long.
         #[test]
         fn floors_never_move_an_allocation(
             allocs in prop::collection::vec((0u32..6, 1u64..64, 0u64..60, 0u64..40), 1..300),
@@ -518,8 +710,42 @@ mod tests {
             shuffled.sort_by_key(|&i| splitmix(seed ^ u64::from(i)));
             for sequence in [&by_size, &shuffled] {
                 for fit in [Fit::Lowest, Fit::Smallest] {
-                    prop_assert_eq!(pass(&p, sequence, fit, false), pass(&p, sequence, fit, true));
+                    let plain = pass(&p, sequence, fit, Kept::None);
+                    for kept in [Kept::Nodes, Kept::Lifetimes, Kept::Both] {
+                        prop_assert_eq!(&plain, &pass(&p, sequence, fit, kept), "{:?}", kept);
+                    }
                 }
+            }
+        }
+    }
+
+    proptest! {
+        /// A lookup answers the highest height raised for a lifetime within the range asked
+        /// about (0 if none), as a scan of every raise says.
+        #[test]
+        fn a_lifetime_floor_is_the_highest_raise_within_the_range(
+            spans in prop::collection::vec((0u32..40, 1u32..20), 1..60),
+            raises in prop::collection::vec((0usize..60, 1u64..1000), 0..80),
+            asks in prop::collection::vec((0usize..40, 1usize..41), 1..40),
+        ) {
+            let leaves = 60usize;
+            let spans: Vec<(u32, u32)> = spans.iter().map(|&(lo, len)| (lo, lo + len)).collect();
+            let mut floors = LifetimeFloors::new(leaves, spans.iter().copied());
+            let mut raised: Vec<((u32, u32), u64)> = Vec::new();
+            for &(k, height) in &raises {
+                let (lo, hi) = spans[k % spans.len()];
+                floors.raise((lo as usize, hi as usize), height);
+                raised.push(((lo, hi), height));
+            }
+            for &(lo, len) in &asks {
+                let hi = (lo + len).min(leaves);
+                let scan = raised
+                    .iter()
+                    .filter(|&&((l, h), _)| l as usize >= lo && h as usize <= hi)
+                    .map(|&(_, height)| height)
+                    .max()
+                    .unwrap_or(0);
+                prop_assert_eq!(floors.under((lo, hi)), scan);
             }
         }
     }
