@@ -583,16 +583,9 @@ impl LifetimeFloors {
     /// Floors for the lifetimes `spans` (ranges of leaves `lo..hi`, `lo < hi <= leaves`), all
     /// at 0.
     fn new(leaves: usize, spans: impl Iterator<Item = (u32, u32)>) -> LifetimeFloors {
-        let mut spans: Vec<(u32, u32)> = spans.collect();
-        spans.sort_unstable();
-        spans.dedup();
         let mut members: Vec<Vec<u32>> = vec![Vec::new(); leaves + 1];
-        for &(lo, hi) in &spans {
-            let mut k = leaves - lo as usize;
-            while k <= leaves {
-                members[k].push(hi);
-                k += k & k.wrapping_neg();
-            }
+        for (lo, hi) in spans {
+            outer_path(leaves, lo as usize).for_each(|k| members[k].push(hi));
         }
         let mut at = Vec::with_capacity(leaves + 2);
         let mut ends = Vec::new();
@@ -640,8 +633,7 @@ impl LifetimeFloors {
     #[inline]
     fn raise(&mut self, (lo, hi): (usize, usize), height: u64) {
         let hi = hi as u32;
-        let mut k = self.leaves - lo;
-        while k <= self.leaves {
+        for k in outer_path(self.leaves, lo) {
             let (from, to) = (self.at[k], self.at[k + 1]);
             let ends = &self.ends[from..to];
             let mut j = ends.partition_point(|&e| e < hi) + 1;
@@ -650,9 +642,15 @@ impl LifetimeFloors {
                 self.best[from + j - 1] = height;
                 j += j & j.wrapping_neg();
             }
-            k += k & k.wrapping_neg();
         }
     }
+}
+
+/// The outer nodes of [`LifetimeFloors`] that hold lifetimes starting at leaf `lo`.
+fn outer_path(leaves: usize, lo: usize) -> impl Iterator<Item = usize> {
+    std::iter::successors(Some(leaves - lo), move |&k| {
+        Some(k + (k & k.wrapping_neg())).filter(|&next| next <= leaves)
+    })
 }
 
 #[cfg(test)]
