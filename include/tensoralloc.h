@@ -631,8 +631,9 @@ void tensoralloc_host_reset_accumulated_stats(void);
  * every allocation in the smallest gap that holds it), `"first-fit-by-size"` (largest first,
  * every allocation in the lowest gap that holds it: the fastest greedy pass on dense
  * inputs), `"best"` (same as the default) or `"exact"` (a canonical search with a budget of
- * 10,000,000,000 work units, under half a minute on a current CPU; `tensoralloc_plan_offsets_ex` sets
- * another budget and says whether the plan is proven optimal). In every greedy placement,
+ * 10,000,000,000 work units, under half a minute on a current CPU;
+ * `tensoralloc_plan_offsets_ex` sets another budget and says whether the plan is proven
+ * optimal). In every greedy placement,
  * tiny allocations (at most a 2^-20th of the lower bound) go after all the others, each in
  * the lowest gap that holds it. Plans are deterministic: the same input gives the same plan
  * on any machine. For inputs of 4,096 or more nonzero allocations, `"default"` and `"exact"`

@@ -198,7 +198,7 @@ pub struct PlanOptions {
 /// Work budget of the default algorithm's search when the greedy orders miss the lower
 /// bound (tens of milliseconds at most).
 pub(crate) const DEFAULT_BEST_WORK: u64 = 20_000_000;
-/// Work budget of [`Algorithm::Exact`] when the caller gives none: 11–16 s on MiniMalloc's
+/// Work budget of [`Algorithm::Exact`] when the caller gives none: 12–17 s on MiniMalloc's
 /// challenging instances D and J, where it runs out (one core of a 2-core cloud machine), well
 /// within a minute. On J it finds a layout 1.0352 times the lower bound, where 4·10^9 found
 /// 1.0487 and 6·10^9–8·10^9 found 1.0476.
