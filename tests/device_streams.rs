@@ -223,3 +223,65 @@ fn streams_with_mapped_pages_give_their_shards_up_after_empty_cache() {
     a.free(p, Some(newcomer)).unwrap();
     assert_eq!(a.stats().allocated_bytes[AGG].current, 0);
 }
+
+/// New streams take shards that emptying the cache left idle while other threads allocate,
+/// free and empty the cache: no memory is handed out twice, and statistics stay exact.
+#[test]
+fn idle_shards_move_to_new_streams_safely_under_threads() {
+    let (sim, a) = alloc(256 * GIB);
+    let a = Arc::new(a);
+    let live: Arc<Mutex<BTreeMap<usize, usize>>> = Arc::default();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let emptier = {
+        let (a, stop) = (Arc::clone(&a), Arc::clone(&stop));
+        std::thread::spawn(move || {
+            let mut n = 0;
+            while !stop.load(Ordering::Relaxed) {
+                a.empty_cache().unwrap();
+                n += 1;
+                std::thread::yield_now();
+            }
+            n
+        })
+    };
+    let threads: Vec<_> = (0..3)
+        .map(|t| {
+            let (a, live) = (Arc::clone(&a), Arc::clone(&live));
+            let mine = streams(400);
+            std::thread::spawn(move || {
+                for (i, &s) in mine.iter().enumerate() {
+                    // Some streams come back after their shard may have moved.
+                    let s = if i % 5 == 4 { mine[i / 3] } else { s };
+                    let mut held = Vec::new();
+                    for k in 0..4 {
+                        let size = [512, 3 * KIB, 300 * KIB, 5 * MIB][(i + k + t) % 4];
+                        let p = a.malloc(size, s).unwrap();
+                        let mut live = live.lock().unwrap();
+                        if let Some((&q, &qs)) = live.range(..p + size).next_back() {
+                            assert!(q + qs <= p, "{p:#x} overlaps {q:#x}");
+                        }
+                        live.insert(p, size);
+                        held.push(p);
+                    }
+                    for p in held {
+                        live.lock().unwrap().remove(&p);
+                        a.free(p, Some(s)).unwrap();
+                    }
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    stop.store(true, Ordering::Relaxed);
+    assert!(emptier.join().unwrap() > 0);
+    let st = a.stats();
+    assert_eq!(st.allocated_bytes[AGG].current, 0);
+    assert_eq!(st.allocation[AGG].allocated, 3 * 400 * 4);
+    assert_eq!(st.allocation[AGG].allocated, st.allocation[AGG].freed);
+    assert_eq!(sim.used(0) as i64, st.reserved_bytes[AGG].current);
+    a.empty_cache().unwrap();
+    assert_eq!(sim.used(0), 0);
+    assert_eq!(a.stats().reserved_bytes[AGG].current, 0);
+}

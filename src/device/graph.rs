@@ -241,6 +241,7 @@ impl DeviceAllocator {
                         stats: ShardStats::new(&self.counters),
                     },
                     |_| false,
+                    |_| false,
                 )?
             }
         };

@@ -302,7 +302,8 @@ impl DeviceAllocator {
             inner: ShardLock::default(),
             stats: ShardStats::new(&self.counters),
         };
-        self.shards.get_or_insert(stream, make, reuse)
+        let adopt = |shard: &Shard| self.adopt_idle_shard(shard, stream);
+        self.shards.get_or_insert(stream, make, adopt, reuse)
     }
 
     fn sink<'a>(&'a self, shard: &'a Shard) -> Sink<'a> {
@@ -967,13 +968,51 @@ impl DeviceAllocator {
             return Ok(());
         }
         DeviceCounters::bump(&self.counters.num_sync_all_streams);
+        let mut idle = Vec::new();
         for shard in self.shards.iter().filter(|s| !s.private) {
             let mut inner = shard.inner.lock();
             self.release_shard(shard, &mut inner)?;
+            if Self::is_idle(shard, &inner) {
+                idle.push(shard.index);
+            }
         }
         self.release_unused_pools()?;
         self.retire_idle_shards();
+        // New streams take these before making shards of their own.
+        self.shards.offer_idle(idle);
         Ok(())
+    }
+
+    /// Whether `shard` (whose lock the caller holds) holds nothing at all: no block, in use,
+    /// cached or waiting for events, and no statistic of its own.
+    fn is_idle(shard: &Shard, inner: &ShardInner) -> bool {
+        inner.live.is_empty()
+            && inner.pending.is_empty()
+            && inner.holds_nothing()
+            && shard.stats.holds_nothing()
+    }
+
+    /// Makes `shard`, offered as idle when the cache was emptied, serve the new stream
+    /// `stream` if it still holds nothing: a new stream then starts with the grown structures
+    /// of a stream that the cache's emptying left with nothing, instead of a shard of its
+    /// own (streams made and dropped over a process's life cost no more shards than are in
+    /// use at once). Returns whether it moved. The caller holds the shard table's insertion
+    /// lock and no shard lock.
+    #[cold]
+    fn adopt_idle_shard(&self, shard: &Shard, stream: Stream) -> bool {
+        if shard.private {
+            return false;
+        }
+        // Never waited for: a shard in use is no candidate.
+        let Some(mut inner) = shard.inner.try_lock() else {
+            return false;
+        };
+        if !Self::is_idle(shard, &inner) {
+            return false;
+        }
+        inner.forget_memo();
+        shard.stream.store(stream, Relaxed);
+        true
     }
 
     /// Moves the headroom of shards that hold nothing to the device's unowned headroom, so
@@ -1031,7 +1070,7 @@ impl DeviceAllocator {
         if !released {
             return false;
         }
-        if !inner.holds_nothing() || !shard.stats.holds_nothing() {
+        if !Self::is_idle(shard, &inner) {
             return false;
         }
         inner.forget_memo();
@@ -1241,5 +1280,107 @@ impl Drop for DeviceAllocator {
             }
         }
         self.events.destroy_all(&self.driver);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::driver::sim::SimDriver;
+
+    fn allocator() -> (Arc<SimDriver>, DeviceAllocator) {
+        let sim = SimDriver::shared(1, 1 << 34).unwrap();
+        let a = DeviceAllocator::new(sim.clone(), 0, &Config::default()).unwrap();
+        (sim, a)
+    }
+
+    fn shard_count(a: &DeviceAllocator) -> usize {
+        a.shards.iter().count()
+    }
+
+    /// Streams used one round after another, the cache emptied between rounds: each new
+    /// stream takes a shard that the emptying left holding nothing, in the order the shards
+    /// were made, so no shards pile up; streams that come back later get shards of their own.
+    #[test]
+    fn new_streams_take_the_shards_an_emptied_cache_left_idle() {
+        let (sim, a) = allocator();
+        let round = |base: usize| (0..3).map(move |k| base + 0x10 * k).collect::<Vec<_>>();
+        let first = round(0x7100_0000);
+        for &s in &first {
+            let p = a.malloc(3 << 20, s).unwrap();
+            a.free(p, Some(s)).unwrap();
+        }
+        assert_eq!(shard_count(&a), 3);
+        a.empty_cache().unwrap();
+        assert_eq!(sim.used(0), 0);
+        for base in [0x7200_0000, 0x7300_0000] {
+            let streams = round(base);
+            let held: Vec<_> = streams
+                .iter()
+                .map(|&s| (a.malloc(4096, s).unwrap(), s))
+                .collect();
+            assert_eq!(shard_count(&a), 3);
+            for (k, &s) in streams.iter().enumerate() {
+                let shard = a.shards.get(s).unwrap();
+                assert_eq!(shard.index as usize, k);
+                assert_eq!(shard.stream(), s);
+            }
+            for (p, s) in held {
+                a.free(p, Some(s)).unwrap();
+            }
+            a.empty_cache().unwrap();
+        }
+        // The first round's streams lost their shards; one that comes back is a new stream
+        // like any other.
+        assert!(first.iter().all(|&s| a.shards.get(s).is_none()));
+        let p = a.malloc(4096, first[0]).unwrap();
+        assert_eq!(a.shards.get(first[0]).unwrap().index, 0);
+        assert_eq!(shard_count(&a), 3);
+        a.free(p, Some(first[0])).unwrap();
+        let st = a.stats();
+        assert_eq!(st.allocated_bytes[0].current, 0);
+        assert_eq!(st.allocation[0].allocated, 10);
+        assert_eq!(st.allocation[0].freed, 10);
+        // The first round's three large segments, cached until the cache was emptied.
+        assert_eq!(st.reserved_bytes[0].peak, 3 * (20 << 20));
+        assert_eq!(st.reserved_bytes[0].current, 2 << 20);
+    }
+
+    /// A shard is taken only if it still holds nothing: one that held memory when the cache
+    /// was emptied is not offered, and one offered whose stream allocated again since is
+    /// passed over (and not offered again).
+    #[test]
+    fn a_new_stream_never_takes_a_shard_that_holds_memory() {
+        let (_sim, a) = allocator();
+        let (busy, back, idle) = (0x7400_0000, 0x7400_0010, 0x7400_0020);
+        let kept = a.malloc(4096, busy).unwrap();
+        for s in [back, idle] {
+            let p = a.malloc(4096, s).unwrap();
+            a.free(p, Some(s)).unwrap();
+        }
+        a.empty_cache().unwrap();
+        // `back` was offered, and holds memory again.
+        let again = a.malloc(4096, back).unwrap();
+        let newcomer = 0x7500_0000;
+        let p = a.malloc(4096, newcomer).unwrap();
+        assert!(std::ptr::eq(
+            a.shards.get(newcomer).unwrap(),
+            a.shards.by_index(2).unwrap()
+        ));
+        assert_eq!(a.shards.get(busy).unwrap().stream(), busy);
+        assert_eq!(a.shards.get(back).unwrap().stream(), back);
+        assert!(a.shards.get(idle).is_none());
+        // No idle shard is left: the next new stream makes one.
+        let q = a.malloc(4096, newcomer + 0x10).unwrap();
+        assert_eq!(shard_count(&a), 4);
+        for (p, s) in [
+            (kept, busy),
+            (again, back),
+            (p, newcomer),
+            (q, newcomer + 0x10),
+        ] {
+            a.free(p, Some(s)).unwrap();
+        }
+        assert_eq!(a.stats().allocated_bytes[0].current, 0);
     }
 }

@@ -3,11 +3,14 @@
 //! Lookups read a few atomics that are written only when a stream is first seen, so threads
 //! on different streams share no written cache line. Insertion takes a mutex. Shards are
 //! never freed while the table lives: a process has at most [`MAX_SHARDS`] of them per device.
-//! When a new stream finds the table full, a shard that holds nothing (its stream is gone or
-//! idle) moves to the new stream ([`ShardTable::get_or_insert`]'s `reuse`). A lookup racing
+//! A new stream first takes a shard offered as idle ([`ShardTable::offer_idle`]: emptying the
+//! cache left it holding nothing), whose structures are already grown, if it still holds
+//! nothing (`adopt`); when the table is full, a shard that holds nothing once its cache is
+//! returned (its stream is gone or idle) moves to the new stream (`reuse`). A lookup racing
 //! with such a move may return a shard that does not serve the stream looked up, so callers
 //! that act for a stream check, under the shard's lock, that the shard serves it.
 
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicPtr, AtomicU32, AtomicUsize, Ordering::*};
 
 use parking_lot::Mutex;
@@ -33,9 +36,23 @@ pub(crate) struct ShardTable<T> {
     /// later insertion takes it.
     buckets: Box<[AtomicU32]>,
     keys: Box<[AtomicUsize]>,
-    /// Taken to insert or move; holds the index where the next search for a shard to reuse
-    /// starts, so that successive searches take turns over the shards.
-    insert: Mutex<usize>,
+    /// Taken to insert or move.
+    insert: Mutex<Inserts>,
+}
+
+/// What insertions and moves share.
+#[derive(Default)]
+struct Inserts {
+    /// Where the next search for a shard to reuse starts, so that successive searches take
+    /// turns over the shards.
+    next_reuse: usize,
+    /// Indices of shards offered as idle and not taken yet, each at most once, in the order
+    /// offered.
+    idle: VecDeque<u32>,
+    /// Whether each shard, by index, is in `idle`.
+    offered: Vec<bool>,
+    /// The key each shard serves, by index.
+    keys: Vec<usize>,
 }
 
 fn bucket_of(key: usize) -> usize {
@@ -52,7 +69,7 @@ impl<T> ShardTable<T> {
             count: AtomicUsize::new(0),
             buckets: (0..BUCKETS).map(|_| AtomicU32::new(0)).collect(),
             keys: (0..BUCKETS).map(|_| AtomicUsize::new(0)).collect(),
-            insert: Mutex::new(0),
+            insert: Mutex::default(),
         }
     }
 
@@ -81,22 +98,40 @@ impl<T> ShardTable<T> {
         None
     }
 
-    /// The shard of `key`, made by `make(index)` if it does not exist yet. When the table is
-    /// full, the shards are offered to `reuse` in turn, starting after the last one reused: the
-    /// first for which it returns true (having made the shard serve `key`, under the shard's
-    /// lock) moves to `key`. Fails when `key` is [`VACATED`], or the table is full and `reuse`
-    /// takes no shard.
+    /// The shard of `key`. If there is none yet, the shards offered as idle
+    /// ([`ShardTable::offer_idle`]) go to `adopt` in the order offered (each once): the first
+    /// for which it returns true (having made the shard serve `key`, under the shard's lock)
+    /// moves to `key`. Otherwise `make(index)` makes a new one, and when the table is full, the
+    /// shards are offered to `reuse` in turn, starting after the last one reused, in the same
+    /// way. Fails when `key` is [`VACATED`], or the table is full and `reuse` takes no shard.
     #[inline]
     pub fn get_or_insert(
         &self,
         key: usize,
         make: impl FnOnce(u32) -> T,
+        adopt: impl FnMut(&T) -> bool,
         reuse: impl FnMut(&T) -> bool,
     ) -> Result<&T> {
         if let Some(shard) = self.get(key) {
             return Ok(shard);
         }
-        self.insert_slow(key, make, reuse)
+        self.insert_slow(key, make, adopt, reuse)
+    }
+
+    /// Offers the shards of `indices`, in that order, to the next new keys
+    /// ([`ShardTable::get_or_insert`]'s `adopt`), after those offered before.
+    pub fn offer_idle(&self, indices: impl IntoIterator<Item = u32>) {
+        let mut inserts = self.insert.lock();
+        for index in indices {
+            let i = index as usize;
+            if inserts.offered.len() <= i {
+                inserts.offered.resize(i + 1, false);
+            }
+            if !inserts.offered[i] {
+                inserts.offered[i] = true;
+                inserts.idle.push_back(index);
+            }
+        }
     }
 
     #[cold]
@@ -104,6 +139,7 @@ impl<T> ShardTable<T> {
         &self,
         key: usize,
         make: impl FnOnce(u32) -> T,
+        mut adopt: impl FnMut(&T) -> bool,
         mut reuse: impl FnMut(&T) -> bool,
     ) -> Result<&T> {
         if key == VACATED {
@@ -111,16 +147,25 @@ impl<T> ShardTable<T> {
                 "stream {key:#x} is not a stream handle"
             )));
         }
-        let mut next_reuse = self.insert.lock();
+        let mut inserts = self.insert.lock();
         if let Some(shard) = self.get(key) {
             return Ok(shard);
+        }
+        // An offered shard that is not idle any more is not offered again.
+        while let Some(index) = inserts.idle.pop_front() {
+            inserts.offered[index as usize] = false;
+            if let Some(shard) = self.by_index(index).filter(|&shard| adopt(shard)) {
+                self.vacate(&inserts, index as usize);
+                self.place(&mut inserts, key, index as usize);
+                return Ok(shard);
+            }
         }
         let index = self.count.load(Relaxed);
         if index < MAX_SHARDS {
             let shard = Box::into_raw(Box::new(make(index as u32)));
             self.slots[index].store(shard, Release);
             self.count.store(index + 1, Release);
-            self.place(key, index);
+            self.place(&mut inserts, key, index);
             // SAFETY: `shard` was just made from a Box and is only freed when the table drops.
             return Ok(unsafe { &*shard });
         }
@@ -133,14 +178,14 @@ impl<T> ShardTable<T> {
                 pause = (pause * 2).min(std::time::Duration::from_millis(5));
             }
             for step in 0..MAX_SHARDS {
-                let index = (*next_reuse + step) % MAX_SHARDS;
+                let index = (inserts.next_reuse + step) % MAX_SHARDS;
                 let Some(shard) = self.by_index(index as u32) else {
                     continue;
                 };
                 if reuse(shard) {
-                    *next_reuse = (index + 1) % MAX_SHARDS;
-                    self.vacate(index);
-                    self.place(key, index);
+                    inserts.next_reuse = (index + 1) % MAX_SHARDS;
+                    self.vacate(&inserts, index);
+                    self.place(&mut inserts, key, index);
                     return Ok(shard);
                 }
             }
@@ -153,8 +198,12 @@ impl<T> ShardTable<T> {
     }
 
     /// Maps `key` to shard `index` in the first bucket of `key`'s probe that is empty or
-    /// vacated. The caller holds the insertion lock.
-    fn place(&self, key: usize, index: usize) {
+    /// vacated, and records that the shard serves `key` (held under the insertion lock).
+    fn place(&self, inserts: &mut Inserts, key: usize, index: usize) {
+        if inserts.keys.len() <= index {
+            inserts.keys.resize(index + 1, VACATED);
+        }
+        inserts.keys[index] = key;
         let mut b = bucket_of(key);
         loop {
             let taken = self.buckets[b].load(Relaxed);
@@ -176,12 +225,19 @@ impl<T> ShardTable<T> {
         }
     }
 
-    /// Marks the bucket of shard `index` vacated. The caller holds the insertion lock.
-    fn vacate(&self, index: usize) {
-        let wanted = index as u32 + 1;
-        for (bucket, key) in self.buckets.iter().zip(self.keys.iter()) {
-            if bucket.load(Relaxed) == wanted && key.load(Relaxed) != VACATED {
-                key.store(VACATED, Release);
+    /// Marks vacated the bucket of shard `index`: the one bucket holding the key it serves,
+    /// found along that key's probe.
+    fn vacate(&self, inserts: &Inserts, index: usize) {
+        let (wanted, key) = (index as u32 + 1, inserts.keys[index]);
+        let mut b = bucket_of(key);
+        for _ in 0..BUCKETS {
+            match self.buckets[b].load(Relaxed) {
+                0 => return,
+                taken if taken == wanted && self.keys[b].load(Relaxed) == key => {
+                    self.keys[b].store(VACATED, Release);
+                    return;
+                }
+                _ => b = (b + 1) & (BUCKETS - 1),
             }
         }
     }
@@ -233,25 +289,34 @@ mod tests {
             .find(|&k| k != VACATED && bucket_of(k) == bucket_of(VACATED))
             .unwrap();
         let make = |key: usize| move |_| AtomicUsize::new(key);
-        table.get_or_insert(first, make(first), |_| false).unwrap();
+        table
+            .get_or_insert(first, make(first), |_| false, |_| false)
+            .unwrap();
         for key in (1..).map(|k| first + k).take(MAX_SHARDS - 1) {
-            table.get_or_insert(key, make(key), |_| false).unwrap();
+            table
+                .get_or_insert(key, make(key), |_| false, |_| false)
+                .unwrap();
         }
         let newcomer = usize::MAX / 4;
         let moved = table
-            .get_or_insert(newcomer, make(newcomer), |s| {
-                s.load(Relaxed) == first && {
-                    s.store(newcomer, Relaxed);
-                    true
-                }
-            })
+            .get_or_insert(
+                newcomer,
+                make(newcomer),
+                |_| false,
+                |s| {
+                    s.load(Relaxed) == first && {
+                        s.store(newcomer, Relaxed);
+                        true
+                    }
+                },
+            )
             .unwrap();
         assert_eq!(moved.load(Relaxed), newcomer);
         assert!(std::ptr::eq(table.get(newcomer).unwrap(), moved));
         assert!(table.get(first).is_none());
         assert!(table.get(VACATED).is_none());
         assert!(table
-            .get_or_insert(VACATED, make(VACATED), |_| true)
+            .get_or_insert(VACATED, make(VACATED), |_| true, |_| true)
             .is_err());
     }
 }
