@@ -1095,7 +1095,8 @@ impl DeviceAllocator {
 
     /// Returns every unused cached segment to the driver (after waiting for outstanding
     /// events), except those of graph pools still in use. While a capture is underway this
-    /// does nothing.
+    /// does nothing. The shares of streams left holding nothing go to the next new streams
+    /// (a stream that comes back later is a new stream).
     pub fn empty_cache(&self) -> Result<()> {
         self.flush_deferred()?;
         self.release_cached()
