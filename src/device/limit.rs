@@ -9,7 +9,9 @@
 //! therefore claims its bytes before it reads what is reserved, and keeps the claim until its
 //! growth is counted as reserved ([`LimitClaim`]): of two growths at once, the later claim
 //! sees the earlier one, as a claim or as reserved bytes, and together they stay within the
-//! limit.
+//! limit. Pages that a growth of `policy:compact` unmaps from idle streams to map again keep
+//! their physical memory meanwhile: they are claimed before their bytes leave the reserved
+//! ones ([`LimitClaim::add`]), and stay claimed until that growth has mapped or released them.
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed, Ordering::SeqCst};
 
@@ -37,6 +39,17 @@ pub(crate) struct MemoryLimit {
 pub(super) struct LimitClaim<'a> {
     limit: &'a MemoryLimit,
     bytes: u64,
+}
+
+impl LimitClaim<'_> {
+    /// Claims `bytes` more, without a check: memory the device holds already and is about to
+    /// stop counting as reserved. Nothing when no limit is set.
+    pub fn add(&mut self, bytes: u64) {
+        if self.limit.bytes().is_some() && bytes > 0 {
+            self.limit.claimed.fetch_add(bytes, SeqCst);
+            self.bytes += bytes;
+        }
+    }
 }
 
 impl Drop for LimitClaim<'_> {
@@ -126,6 +139,14 @@ impl DeviceAllocator {
             )));
         }
         Ok(claim)
+    }
+
+    /// An empty claim, for [`LimitClaim::add`].
+    pub(super) fn no_claim(&self) -> LimitClaim<'_> {
+        LimitClaim {
+            limit: &self.limit,
+            bytes: 0,
+        }
     }
 
     /// The limit's part of an out-of-memory message, when a fraction is set.

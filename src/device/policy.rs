@@ -23,6 +23,7 @@
 
 use super::expandable::{Layout, Reclaim, Report};
 use super::history::Action;
+use super::limit::LimitClaim;
 use super::shard::{ShardInner, StatSink, State, NONE};
 use super::size::{PoolKind, SMALL_BUFFER};
 use super::stats::{self, ShardStats, StatKind};
@@ -131,8 +132,11 @@ impl DeviceAllocator {
     ) -> Result<u32> {
         let mut report = Report::new(self.history().on());
         report.spare = std::mem::take(&mut inner.exp.spare);
+        // Pages unmapped to be mapped again are claimed under the memory limit until the end
+        // of this growth, after what it did not map has gone back to the driver.
+        let mut kept = self.no_claim();
         let start = if reclaim {
-            self.reclaim_idle(shard, inner, rounded, pool, &mut report.spare)
+            self.reclaim_idle(shard, inner, rounded, pool, &mut report.spare, &mut kept)
         } else {
             None
         };
@@ -164,6 +168,7 @@ impl DeviceAllocator {
             }
         }
         inner.exp.spare = report.spare;
+        drop(kept);
         if grown.is_err() {
             self.settle_marked(shard);
         }
@@ -321,6 +326,7 @@ impl DeviceAllocator {
         need: usize,
         pool: PoolKind,
         spare: &mut Vec<(usize, PhysHandle)>,
+        kept: &mut LimitClaim,
     ) -> Option<u32> {
         if self.graph.capturing() {
             // No event may be recorded or queried while a graph is captured.
@@ -330,7 +336,7 @@ impl DeviceAllocator {
         let keep = start
             .filter(|&id| inner.block(id).state == State::Free)
             .unwrap_or(NONE);
-        let mut got = self.reclaim_from(shard, inner, need, keep, spare);
+        let mut got = self.reclaim_from(shard, inner, need, keep, spare, kept);
         // Other shards' pages leave this shard's blocks as they are.
         let start = start.filter(|_| got == 0);
         for other in self.shards.iter() {
@@ -343,7 +349,7 @@ impl DeviceAllocator {
                 continue;
             }
             if let Some(mut o) = other.inner.try_lock() {
-                got += self.reclaim_from(other, &mut o, need - got, NONE, spare);
+                got += self.reclaim_from(other, &mut o, need - got, NONE, spare, kept);
             }
         }
         // Overdrafts are settled by the caller, after the growth.
@@ -351,7 +357,8 @@ impl DeviceAllocator {
     }
 
     /// Unmaps idle free pages of `shard` (but block `keep`), up to `goal` bytes, keeping
-    /// their physical allocations in `spare`. Returns the bytes unmapped.
+    /// their physical allocations in `spare` and their bytes in `kept`. Returns the bytes
+    /// unmapped.
     fn reclaim_from(
         &self,
         shard: &Shard,
@@ -359,6 +366,7 @@ impl DeviceAllocator {
         goal: usize,
         keep: u32,
         spare: &mut Vec<(usize, PhysHandle)>,
+        kept: &mut LimitClaim,
     ) -> usize {
         if self.free_mapped(shard) < MIN_RECLAIM || !self.tracks_idle(shard, inner) {
             return 0;
@@ -370,7 +378,10 @@ impl DeviceAllocator {
         }
         // Settling peaks now would lock every shard, the growing one included when this is
         // another stream's: overdrafts are only marked, and settled after the growth.
-        let mut marks = MarkOnly(&shard.stats);
+        let mut marks = Keeping {
+            marks: MarkOnly(&shard.stats),
+            kept,
+        };
         let mut report = Report::new(self.history().on());
         report.keep = true;
         report.spare = std::mem::take(spare);
@@ -453,5 +464,21 @@ struct MarkOnly<'a>(&'a ShardStats);
 impl StatSink for MarkOnly<'_> {
     fn change(&mut self, index: usize, delta: i64) {
         self.0.change(index, delta);
+    }
+}
+
+/// [`MarkOnly`] for unmapping pages whose physical allocations are kept: the reserved bytes
+/// they stop counting for are claimed under the memory limit first ([`LimitClaim::add`]).
+struct Keeping<'a, 'l> {
+    marks: MarkOnly<'a>,
+    kept: &'a mut LimitClaim<'l>,
+}
+
+impl StatSink for Keeping<'_, '_> {
+    fn change(&mut self, index: usize, delta: i64) {
+        if index == stats::aggregate(StatKind::ReservedBytes) && delta < 0 {
+            self.kept.add(delta.unsigned_abs());
+        }
+        self.marks.change(index, delta);
     }
 }
