@@ -992,6 +992,17 @@ impl DeviceAllocator {
             && shard.stats.holds_nothing()
     }
 
+    /// Makes `shard` (whose lock the caller holds) serve `stream` if it holds nothing at all
+    /// ([`DeviceAllocator::is_idle`]). Returns whether it moved.
+    fn move_if_idle(shard: &Shard, inner: &mut ShardInner, stream: Stream) -> bool {
+        if !Self::is_idle(shard, inner) {
+            return false;
+        }
+        inner.forget_memo();
+        shard.stream.store(stream, Relaxed);
+        true
+    }
+
     /// Makes `shard`, offered as idle when the cache was emptied, serve the new stream
     /// `stream` if it still holds nothing: a new stream then starts with the grown structures
     /// of a stream that the cache's emptying left with nothing, instead of a shard of its
@@ -1007,12 +1018,7 @@ impl DeviceAllocator {
         let Some(mut inner) = shard.inner.try_lock() else {
             return false;
         };
-        if !Self::is_idle(shard, &inner) {
-            return false;
-        }
-        inner.forget_memo();
-        shard.stream.store(stream, Relaxed);
-        true
+        Self::move_if_idle(shard, &mut inner, stream)
     }
 
     /// Moves the headroom of shards that hold nothing to the device's unowned headroom, so
@@ -1070,12 +1076,7 @@ impl DeviceAllocator {
         if !released {
             return false;
         }
-        if !Self::is_idle(shard, &inner) {
-            return false;
-        }
-        inner.forget_memo();
-        shard.stream.store(stream, Relaxed);
-        true
+        Self::move_if_idle(shard, &mut inner, stream)
     }
 
     /// After a settle lock taken without settling is released: settles the overdrafts that
