@@ -240,8 +240,8 @@ impl DeviceAllocator {
                         inner: super::shard::ShardLock::default(),
                         stats: ShardStats::new(&self.counters),
                     },
-                    |_| false,
-                    |_| false,
+                    |_| None,
+                    |_| None,
                 )?
             }
         };

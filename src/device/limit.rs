@@ -107,10 +107,7 @@ impl DeviceAllocator {
     /// asked for only when a limit is set.
     pub(super) fn check_limit(&self, size: impl FnOnce() -> usize) -> Result<LimitClaim<'_>> {
         let Some(limit) = self.limit.bytes() else {
-            return Ok(LimitClaim {
-                limit: &self.limit,
-                bytes: 0,
-            });
+            return Ok(self.no_claim());
         };
         let size = size() as u64;
         // Claimed before reserved bytes are read: a growth that released its claim before

@@ -61,9 +61,8 @@ pub const MAX_STREAMS: usize = table::MAX_SHARDS;
 /// One stream's share of a device.
 #[repr(align(128))]
 pub(crate) struct Shard {
-    /// The stream served; changes only when the shard holds nothing and the device has no
-    /// room for a new stream's shard ([`DeviceAllocator::reuse_shard`]), under the shard's
-    /// lock.
+    /// The stream served; changes only when the shard holds nothing and a new stream takes
+    /// it over ([`DeviceAllocator::move_if_idle`]), under the shard's lock.
     stream: AtomicUsize,
     index: u32,
     /// A shard of a graph private pool ([`graph`]) rather than the stream's own.
@@ -74,7 +73,7 @@ pub(crate) struct Shard {
 
 impl Shard {
     /// The stream this shard serves. Read without the shard's lock, it may be one the shard
-    /// no longer serves ([`DeviceAllocator::reuse_shard`]).
+    /// no longer serves ([`DeviceAllocator::move_if_idle`]).
     pub(crate) fn stream(&self) -> Stream {
         self.stream.load(Relaxed)
     }
@@ -986,38 +985,32 @@ impl DeviceAllocator {
     /// Whether `shard` (whose lock the caller holds) holds nothing at all: no block, in use,
     /// cached or waiting for events, and no statistic of its own.
     fn is_idle(shard: &Shard, inner: &ShardInner) -> bool {
-        inner.live.is_empty()
-            && inner.pending.is_empty()
-            && inner.holds_nothing()
-            && shard.stats.holds_nothing()
+        inner.holds_nothing() && shard.stats.holds_nothing()
     }
 
     /// Makes `shard` (whose lock the caller holds) serve `stream` if it holds nothing at all
-    /// ([`DeviceAllocator::is_idle`]). Returns whether it moved.
-    fn move_if_idle(shard: &Shard, inner: &mut ShardInner, stream: Stream) -> bool {
+    /// ([`DeviceAllocator::is_idle`]). Returns the stream it served, if it moved.
+    fn move_if_idle(shard: &Shard, inner: &mut ShardInner, stream: Stream) -> Option<Stream> {
         if !Self::is_idle(shard, inner) {
-            return false;
+            return None;
         }
         inner.forget_memo();
-        shard.stream.store(stream, Relaxed);
-        true
+        Some(shard.stream.swap(stream, Relaxed))
     }
 
     /// Makes `shard`, offered as idle when the cache was emptied, serve the new stream
     /// `stream` if it still holds nothing: a new stream then starts with the grown structures
     /// of a stream that the cache's emptying left with nothing, instead of a shard of its
     /// own (streams made and dropped over a process's life cost no more shards than are in
-    /// use at once). Returns whether it moved. The caller holds the shard table's insertion
-    /// lock and no shard lock.
+    /// use at once). Returns the stream it served, if it moved. The caller holds the shard
+    /// table's insertion lock and no shard lock.
     #[cold]
-    fn adopt_idle_shard(&self, shard: &Shard, stream: Stream) -> bool {
+    fn adopt_idle_shard(&self, shard: &Shard, stream: Stream) -> Option<Stream> {
         if shard.private {
-            return false;
+            return None;
         }
         // Never waited for: a shard in use is no candidate.
-        let Some(mut inner) = shard.inner.try_lock() else {
-            return false;
-        };
+        let mut inner = shard.inner.try_lock()?;
         Self::move_if_idle(shard, &mut inner, stream)
     }
 
@@ -1045,7 +1038,8 @@ impl DeviceAllocator {
     /// ([`table`]): when no allocation of the shard is in use and no event of it is
     /// outstanding, its cached segments go back to the driver, and if it then holds nothing
     /// it serves `stream` from now on. Its accumulated statistics stay in the device's sums;
-    /// its headroom of peaks goes with it. Returns whether the shard moved. The caller holds
+    /// its headroom of peaks goes with it. Returns the stream it served, if it moved. The
+    /// caller holds
     /// the shard table's insertion lock and no shard lock; `capturing` is whether nothing may
     /// go back to the driver now ([`DeviceAllocator::capture_blocks`] of `stream`).
     ///
@@ -1053,28 +1047,26 @@ impl DeviceAllocator {
     /// driver: a shard with free pages of an expandable segment still mapped (unmapping waits
     /// for the work queued on its stream) stays until the cache is emptied.
     #[cold]
-    fn reuse_shard(&self, shard: &Shard, stream: Stream, capturing: bool) -> bool {
+    fn reuse_shard(&self, shard: &Shard, stream: Stream, capturing: bool) -> Option<Stream> {
         if shard.private {
-            return false;
+            return None;
         }
         // Never waited for: a shard in use is no candidate.
-        let Some(mut inner) = shard.inner.try_lock() else {
-            return false;
-        };
+        let mut inner = shard.inner.try_lock()?;
         // Nothing goes back to the driver while a capture is underway; a shard that already
         // holds nothing may still move.
         if !inner.pending.is_empty() && !capturing {
             self.process_events(shard, &mut inner);
         }
         if !inner.live.is_empty() || !inner.pending.is_empty() {
-            return false;
+            return None;
         }
         let released = capturing
             || (self.release_segments(shard, &mut inner, usize::MAX).is_ok()
                 && self.free_mapped(shard) == 0
                 && self.release_expandable(shard, &mut inner, 0).is_ok());
         if !released {
-            return false;
+            return None;
         }
         Self::move_if_idle(shard, &mut inner, stream)
     }

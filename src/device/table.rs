@@ -3,9 +3,9 @@
 //! Lookups read a few atomics that are written only when a stream is first seen, so threads
 //! on different streams share no written cache line. Insertion takes a mutex. Shards are
 //! never freed while the table lives: a process has at most [`MAX_SHARDS`] of them per device.
-//! A new stream first takes a shard offered as idle ([`ShardTable::offer_idle`]: emptying the
-//! cache left it holding nothing), whose structures are already grown, if it still holds
-//! nothing (`adopt`); when the table is full, a shard that holds nothing once its cache is
+//! A new stream first takes a shard offered as idle ([`ShardTable::offer_idle`]: the last
+//! emptying of the cache left it holding nothing), whose structures are already grown, if it
+//! still holds nothing (`adopt`); when the table is full, a shard that holds nothing once its cache is
 //! returned (its stream is gone or idle) moves to the new stream (`reuse`). A lookup racing
 //! with such a move may return a shard that does not serve the stream looked up, so callers
 //! that act for a stream check, under the shard's lock, that the shard serves it.
@@ -46,13 +46,8 @@ struct Inserts {
     /// Where the next search for a shard to reuse starts, so that successive searches take
     /// turns over the shards.
     next_reuse: usize,
-    /// Indices of shards offered as idle and not taken yet, each at most once, in the order
-    /// offered.
+    /// Indices of the shards last offered as idle and not taken yet, in the order offered.
     idle: VecDeque<u32>,
-    /// Whether each shard, by index, is in `idle`.
-    offered: Vec<bool>,
-    /// The key each shard serves, by index.
-    keys: Vec<usize>,
 }
 
 fn bucket_of(key: usize) -> usize {
@@ -100,17 +95,18 @@ impl<T> ShardTable<T> {
 
     /// The shard of `key`. If there is none yet, the shards offered as idle
     /// ([`ShardTable::offer_idle`]) go to `adopt` in the order offered (each once): the first
-    /// for which it returns true (having made the shard serve `key`, under the shard's lock)
-    /// moves to `key`. Otherwise `make(index)` makes a new one, and when the table is full, the
-    /// shards are offered to `reuse` in turn, starting after the last one reused, in the same
-    /// way. Fails when `key` is [`VACATED`], or the table is full and `reuse` takes no shard.
+    /// for which it returns the key the shard served (having made the shard serve `key`, under
+    /// the shard's lock) moves to `key`. Otherwise `make(index)` makes a new one, and when the
+    /// table is full, the shards are offered to `reuse` in turn, starting after the last one
+    /// reused, in the same way. Fails when `key` is [`VACATED`], or the table is full and
+    /// `reuse` takes no shard.
     #[inline]
     pub fn get_or_insert(
         &self,
         key: usize,
         make: impl FnOnce(u32) -> T,
-        adopt: impl FnMut(&T) -> bool,
-        reuse: impl FnMut(&T) -> bool,
+        adopt: impl FnMut(&T) -> Option<usize>,
+        reuse: impl FnMut(&T) -> Option<usize>,
     ) -> Result<&T> {
         if let Some(shard) = self.get(key) {
             return Ok(shard);
@@ -119,19 +115,10 @@ impl<T> ShardTable<T> {
     }
 
     /// Offers the shards of `indices`, in that order, to the next new keys
-    /// ([`ShardTable::get_or_insert`]'s `adopt`), after those offered before.
-    pub fn offer_idle(&self, indices: impl IntoIterator<Item = u32>) {
-        let mut inserts = self.insert.lock();
-        for index in indices {
-            let i = index as usize;
-            if inserts.offered.len() <= i {
-                inserts.offered.resize(i + 1, false);
-            }
-            if !inserts.offered[i] {
-                inserts.offered[i] = true;
-                inserts.idle.push_back(index);
-            }
-        }
+    /// ([`ShardTable::get_or_insert`]'s `adopt`), in place of those offered before: the
+    /// caller names every shard that holds nothing.
+    pub fn offer_idle(&self, indices: Vec<u32>) {
+        self.insert.lock().idle = indices.into();
     }
 
     #[cold]
@@ -139,8 +126,8 @@ impl<T> ShardTable<T> {
         &self,
         key: usize,
         make: impl FnOnce(u32) -> T,
-        mut adopt: impl FnMut(&T) -> bool,
-        mut reuse: impl FnMut(&T) -> bool,
+        mut adopt: impl FnMut(&T) -> Option<usize>,
+        mut reuse: impl FnMut(&T) -> Option<usize>,
     ) -> Result<&T> {
         if key == VACATED {
             return Err(Error::InvalidArgument(format!(
@@ -153,10 +140,12 @@ impl<T> ShardTable<T> {
         }
         // An offered shard that is not idle any more is not offered again.
         while let Some(index) = inserts.idle.pop_front() {
-            inserts.offered[index as usize] = false;
-            if let Some(shard) = self.by_index(index).filter(|&shard| adopt(shard)) {
-                self.vacate(&inserts, index as usize);
-                self.place(&mut inserts, key, index as usize);
+            let Some(shard) = self.by_index(index) else {
+                continue;
+            };
+            if let Some(old) = adopt(shard) {
+                self.vacate(old, index as usize);
+                self.place(key, index as usize);
                 return Ok(shard);
             }
         }
@@ -165,7 +154,7 @@ impl<T> ShardTable<T> {
             let shard = Box::into_raw(Box::new(make(index as u32)));
             self.slots[index].store(shard, Release);
             self.count.store(index + 1, Release);
-            self.place(&mut inserts, key, index);
+            self.place(key, index);
             // SAFETY: `shard` was just made from a Box and is only freed when the table drops.
             return Ok(unsafe { &*shard });
         }
@@ -182,10 +171,10 @@ impl<T> ShardTable<T> {
                 let Some(shard) = self.by_index(index as u32) else {
                     continue;
                 };
-                if reuse(shard) {
+                if let Some(old) = reuse(shard) {
                     inserts.next_reuse = (index + 1) % MAX_SHARDS;
-                    self.vacate(&inserts, index);
-                    self.place(&mut inserts, key, index);
+                    self.vacate(old, index);
+                    self.place(key, index);
                     return Ok(shard);
                 }
             }
@@ -198,12 +187,8 @@ impl<T> ShardTable<T> {
     }
 
     /// Maps `key` to shard `index` in the first bucket of `key`'s probe that is empty or
-    /// vacated, and records that the shard serves `key` (held under the insertion lock).
-    fn place(&self, inserts: &mut Inserts, key: usize, index: usize) {
-        if inserts.keys.len() <= index {
-            inserts.keys.resize(index + 1, VACATED);
-        }
-        inserts.keys[index] = key;
+    /// vacated. The caller holds the insertion lock.
+    fn place(&self, key: usize, index: usize) {
         let mut b = bucket_of(key);
         loop {
             let taken = self.buckets[b].load(Relaxed);
@@ -225,10 +210,10 @@ impl<T> ShardTable<T> {
         }
     }
 
-    /// Marks vacated the bucket of shard `index`: the one bucket holding the key it serves,
-    /// found along that key's probe.
-    fn vacate(&self, inserts: &Inserts, index: usize) {
-        let (wanted, key) = (index as u32 + 1, inserts.keys[index]);
+    /// Marks vacated the bucket that maps `key`, the key shard `index` served, to it: the one
+    /// along `key`'s probe. The caller holds the insertion lock.
+    fn vacate(&self, key: usize, index: usize) {
+        let wanted = index as u32 + 1;
         let mut b = bucket_of(key);
         for _ in 0..BUCKETS {
             match self.buckets[b].load(Relaxed) {
@@ -290,11 +275,11 @@ mod tests {
             .unwrap();
         let make = |key: usize| move |_| AtomicUsize::new(key);
         table
-            .get_or_insert(first, make(first), |_| false, |_| false)
+            .get_or_insert(first, make(first), |_| None, |_| None)
             .unwrap();
         for key in (1..).map(|k| first + k).take(MAX_SHARDS - 1) {
             table
-                .get_or_insert(key, make(key), |_| false, |_| false)
+                .get_or_insert(key, make(key), |_| None, |_| None)
                 .unwrap();
         }
         let newcomer = usize::MAX / 4;
@@ -302,13 +287,8 @@ mod tests {
             .get_or_insert(
                 newcomer,
                 make(newcomer),
-                |_| false,
-                |s| {
-                    s.load(Relaxed) == first && {
-                        s.store(newcomer, Relaxed);
-                        true
-                    }
-                },
+                |_| None,
+                |s| (s.load(Relaxed) == first).then(|| s.swap(newcomer, Relaxed)),
             )
             .unwrap();
         assert_eq!(moved.load(Relaxed), newcomer);
@@ -316,7 +296,7 @@ mod tests {
         assert!(table.get(first).is_none());
         assert!(table.get(VACATED).is_none());
         assert!(table
-            .get_or_insert(VACATED, make(VACATED), |_| true, |_| true)
+            .get_or_insert(VACATED, make(VACATED), |_| Some(0), |_| Some(0))
             .is_err());
     }
 }
