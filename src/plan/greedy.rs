@@ -57,6 +57,8 @@ pub(crate) struct Greedy {
     gathered: Vec<(u64, u64)>,
     /// The gathered lists of an allocation placed by first fit, as ranges of `lists.pool`.
     runs: Vec<(usize, usize)>,
+    /// Scratch space of [`first_fit`].
+    heads: Vec<u64>,
     /// Allocations of at most this many bytes are placed after every larger one, in the
     /// lowest gap that holds them rather than the smallest ([`TINY_SHIFT`]).
     tiny: u64,
@@ -122,6 +124,7 @@ impl Greedy {
             lists: Lists::new(4 * leaves),
             gathered: Vec::new(),
             runs: Vec::new(),
+            heads: Vec::new(),
             tiny: peak >> TINY_SHIFT,
             floors: (pairs >= FLOOR_PAIRS.saturating_mul(nonzero.len()))
                 .then(|| Floors::new(leaves)),
@@ -185,6 +188,7 @@ impl Greedy {
                 let (offset, hole) = first_fit(
                     &self.lists.pool,
                     &mut self.runs,
+                    &mut self.heads,
                     size,
                     floor,
                     &mut self.merged,
@@ -293,6 +297,7 @@ fn best_fit(gathered: &mut [(u64, u64)], size: u64) -> u64 {
 fn first_fit(
     pool: &[(u64, u64)],
     runs: &mut Vec<(usize, usize)>,
+    heads: &mut Vec<u64>,
     size: u64,
     floor: u64,
     merged: &mut usize,
@@ -303,13 +308,16 @@ fn first_fit(
             *at < *end
         });
     }
+    // The start of each list's next range, side by side: finding the lowest is a scan of
+    // one short array.
+    heads.clear();
+    heads.extend(runs.iter().map(|&(at, _)| pool[at].0));
     let mut top = floor;
     let mut hole = None;
-    while !runs.is_empty() {
+    while !heads.is_empty() {
         let mut k = 0;
-        let mut lowest = pool[runs[0].0].0;
-        for (j, &(at, _)) in runs.iter().enumerate().skip(1) {
-            let start = pool[at].0;
+        let mut lowest = heads[0];
+        for (j, &start) in heads.iter().enumerate().skip(1) {
             if start < lowest {
                 lowest = start;
                 k = j;
@@ -321,11 +329,15 @@ fn first_fit(
                 return (top, hole);
             }
         }
-        top = top.max(pool[runs[k].0].1);
+        let (at, end) = &mut runs[k];
+        top = top.max(pool[*at].1);
         *merged += 1;
-        runs[k].0 += 1;
-        if runs[k].0 == runs[k].1 {
+        *at += 1;
+        if *at == *end {
             runs.swap_remove(k);
+            heads.swap_remove(k);
+        } else {
+            heads[k] = pool[*at].0;
         }
     }
     (top, hole.unwrap_or(top))
