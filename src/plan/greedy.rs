@@ -582,9 +582,10 @@ impl Floors {
 /// allocations a first-fit pass reads about 830 ranges per placement with [`Floors`] alone and
 /// 130 with these as well.
 struct LifetimeFloors {
+    /// Blocks of leaves ([`BLOCK_SHIFT`]).
     leaves: usize,
-    /// Outer node `k` (1-based) holds the ranges whose reversed first leaf `leaves - lo` lies
-    /// in its Fenwick span: their end leaves, sorted and distinct, at `ends[at[k]..at[k + 1]]`,
+    /// Outer node `k` (1-based) holds the ranges whose reversed first block `leaves - lo` lies
+    /// in its Fenwick span: their end blocks, sorted and distinct, at `ends[at[k]..at[k + 1]]`,
     /// and the inner Fenwick tree of maxima over them at the same places of `best`.
     at: Vec<usize>,
     ends: Vec<u32>,
@@ -593,10 +594,12 @@ struct LifetimeFloors {
 
 impl LifetimeFloors {
     /// Floors for the lifetimes `spans` (ranges of leaves `lo..hi`, `lo < hi <= leaves`), all
-    /// at 0.
+    /// at 0, kept by blocks of leaves.
     fn new(leaves: usize, spans: impl Iterator<Item = (u32, u32)>) -> LifetimeFloors {
+        let leaves = leaves.div_ceil(1 << BLOCK_SHIFT);
         let mut members: Vec<Vec<u32>> = vec![Vec::new(); leaves + 1];
-        for (lo, hi) in spans {
+        for span in spans {
+            let (lo, hi) = outward(span);
             outer_path(leaves, lo as usize).for_each(|k| members[k].push(hi));
         }
         let mut at = Vec::with_capacity(leaves + 2);
@@ -625,6 +628,11 @@ impl LifetimeFloors {
     /// allocation live at all of them lies lower.
     #[inline]
     fn under(&self, (lo, hi): (usize, usize)) -> u64 {
+        // The blocks within the lifetime.
+        let (lo, hi) = (lo.div_ceil(1 << BLOCK_SHIFT), hi >> BLOCK_SHIFT);
+        if lo >= hi {
+            return 0;
+        }
         let hi = hi as u32;
         let mut floor = 0;
         let mut k = self.leaves - lo;
@@ -644,8 +652,8 @@ impl LifetimeFloors {
     /// it was made for, leave no free byte below `height`.
     #[inline]
     fn raise(&mut self, (lo, hi): (usize, usize), height: u64) {
-        let hi = hi as u32;
-        for k in outer_path(self.leaves, lo) {
+        let (lo, hi) = outward((lo as u32, hi as u32));
+        for k in outer_path(self.leaves, lo as usize) {
             let (from, to) = (self.at[k], self.at[k + 1]);
             let ends = &self.ends[from..to];
             let mut j = ends.partition_point(|&e| e < hi) + 1;
@@ -658,7 +666,21 @@ impl LifetimeFloors {
     }
 }
 
-/// The outer nodes of [`LifetimeFloors`] that hold lifetimes starting at leaf `lo`.
+/// [`LifetimeFloors`] keep lifetimes by blocks of 2^this many leaves: each recorded with its
+/// ends rounded outward to whole blocks (a floor of a lifetime holds for any lifetime around
+/// it), each looked up rounded inward. On dense graphs of sharded models
+/// (`traces::sharded_graph`, 28,500 and 62,200 allocations) the floors then fit in a sixteenth
+/// of the memory, and a first-fit pass takes 10–13% less time, though its merges read 3–6% more
+/// ranges (lifetimes within one block, or those ending in a block the lookup's ends cut, tell
+/// it nothing).
+const BLOCK_SHIFT: u32 = 4;
+
+/// The blocks of leaves ([`BLOCK_SHIFT`]) that hold leaves `lo..hi`, as a range.
+fn outward((lo, hi): (u32, u32)) -> (u32, u32) {
+    (lo >> BLOCK_SHIFT, hi.div_ceil(1 << BLOCK_SHIFT))
+}
+
+/// The outer nodes of [`LifetimeFloors`] that hold lifetimes starting at block `lo`.
 fn outer_path(leaves: usize, lo: usize) -> impl Iterator<Item = usize> {
     std::iter::successors(Some(leaves - lo), move |&k| {
         Some(k + (k & k.wrapping_neg())).filter(|&next| next <= leaves)
@@ -744,15 +766,16 @@ mod tests {
     }
 
     proptest! {
-        /// A lookup answers the highest height raised for a lifetime within the range asked
-        /// about (0 if none), as a scan of every raise says.
+        /// A lookup answers the highest height raised for a lifetime whose blocks lie within
+        /// the whole blocks of the range asked about (0 if none), as a scan of every raise
+        /// says; so never more than the highest raised for a lifetime within the range.
         #[test]
         fn a_lifetime_floor_is_the_highest_raise_within_the_range(
-            spans in prop::collection::vec((0u32..40, 1u32..20), 1..60),
+            spans in prop::collection::vec((0u32..400, 1u32..200), 1..60),
             raises in prop::collection::vec((0usize..60, 1u64..1000), 0..80),
-            asks in prop::collection::vec((0usize..40, 1usize..41), 1..40),
+            asks in prop::collection::vec((0usize..400, 1usize..401), 1..40),
         ) {
-            let leaves = 60usize;
+            let leaves = 600usize;
             let spans: Vec<(u32, u32)> = spans.iter().map(|&(lo, len)| (lo, lo + len)).collect();
             let mut floors = LifetimeFloors::new(leaves, spans.iter().copied());
             let mut raised: Vec<((u32, u32), u64)> = Vec::new();
@@ -761,15 +784,24 @@ mod tests {
                 floors.raise((lo as usize, hi as usize), height);
                 raised.push(((lo, hi), height));
             }
+            let block = 1usize << BLOCK_SHIFT;
             for &(lo, len) in &asks {
                 let hi = (lo + len).min(leaves);
-                let scan = raised
-                    .iter()
-                    .filter(|&&((l, h), _)| l as usize >= lo && h as usize <= hi)
-                    .map(|&(_, height)| height)
-                    .max()
-                    .unwrap_or(0);
-                prop_assert_eq!(floors.under((lo, hi)), scan);
+                let highest = |within: &dyn Fn(usize, usize) -> bool| {
+                    raised
+                        .iter()
+                        .filter(|&&((l, h), _)| within(l as usize, h as usize))
+                        .map(|&(_, height)| height)
+                        .max()
+                        .unwrap_or(0)
+                };
+                let by_blocks = highest(&|l, h| {
+                    l / block >= lo.div_ceil(block) && h.div_ceil(block) <= hi / block
+                });
+                let exact = highest(&|l, h| l >= lo && h <= hi);
+                let floor = floors.under((lo, hi));
+                prop_assert_eq!(floor, by_blocks);
+                prop_assert!(floor <= exact);
             }
         }
     }
