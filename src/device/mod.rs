@@ -288,11 +288,11 @@ impl DeviceAllocator {
     #[inline(always)]
     fn shard(&self, stream: Stream) -> Result<&Shard> {
         // When the table is full: whether a capture blocks returning memory, looked up once
-        // for all the shards offered.
+        // for all the shards offered (a shard that already holds nothing may still move).
         let mut capturing = None;
         let reuse = move |shard: &Shard| {
             let capturing = *capturing.get_or_insert_with(|| self.capture_blocks(stream));
-            self.reuse_shard(shard, stream, capturing)
+            self.take_over_shard(shard, stream, !capturing)
         };
         let make = |index| Shard {
             stream: AtomicUsize::new(stream),
@@ -301,7 +301,10 @@ impl DeviceAllocator {
             inner: ShardLock::default(),
             stats: ShardStats::new(&self.counters),
         };
-        let adopt = |shard: &Shard| self.adopt_idle_shard(shard, stream);
+        // A shard the last emptying of the cache left holding nothing: its structures are
+        // grown, and streams made and dropped over a process's life cost no more shards than
+        // are in use at once.
+        let adopt = |shard: &Shard| self.take_over_shard(shard, stream, false);
         self.shards.get_or_insert(stream, make, adopt, reuse)
     }
 
@@ -998,22 +1001,6 @@ impl DeviceAllocator {
         Some(shard.stream.swap(stream, Relaxed))
     }
 
-    /// Makes `shard`, offered as idle when the cache was emptied, serve the new stream
-    /// `stream` if it still holds nothing: a new stream then starts with the grown structures
-    /// of a stream that the cache's emptying left with nothing, instead of a shard of its
-    /// own (streams made and dropped over a process's life cost no more shards than are in
-    /// use at once). Returns the stream it served, if it moved. The caller holds the shard
-    /// table's insertion lock and no shard lock.
-    #[cold]
-    fn adopt_idle_shard(&self, shard: &Shard, stream: Stream) -> Option<Stream> {
-        if shard.private {
-            return None;
-        }
-        // Never waited for: a shard in use is no candidate.
-        let mut inner = shard.inner.try_lock()?;
-        Self::move_if_idle(shard, &mut inner, stream)
-    }
-
     /// Moves the headroom of shards that hold nothing to the device's unowned headroom, so
     /// that settles take it without locking them and leave them alone ([`stats`]), unless
     /// a settle is under way. The caller holds no shard lock.
@@ -1034,39 +1021,38 @@ impl DeviceAllocator {
         self.settle_left_overdrafts();
     }
 
-    /// Makes `shard` serve `stream` when the device has no room for a new shard
-    /// ([`table`]): when no allocation of the shard is in use and no event of it is
-    /// outstanding, its cached segments go back to the driver, and if it then holds nothing
-    /// it serves `stream` from now on. Its accumulated statistics stay in the device's sums;
-    /// its headroom of peaks goes with it. Returns the stream it served, if it moved. The
-    /// caller holds
-    /// the shard table's insertion lock and no shard lock; `capturing` is whether nothing may
-    /// go back to the driver now ([`DeviceAllocator::capture_blocks`] of `stream`).
+    /// Makes `shard` serve the new stream `stream` if it holds nothing ([`table`]): a shard
+    /// offered as idle when the cache was emptied (`may_release` false: it must still hold
+    /// nothing), or, when the device has no room for a new shard, any shard of which no
+    /// allocation is in use and no event outstanding (`may_release` true: its cached
+    /// segments go back to the driver first, unless a capture of `stream` blocks that). Its
+    /// accumulated statistics stay in the device's sums; its headroom of peaks goes with it.
+    /// Returns the stream it served, if it moved. The caller holds the shard table's
+    /// insertion lock and no shard lock.
     ///
     /// The shard's own stream may have been destroyed, so nothing here passes it to the
     /// driver: a shard with free pages of an expandable segment still mapped (unmapping waits
     /// for the work queued on its stream) stays until the cache is emptied.
     #[cold]
-    fn reuse_shard(&self, shard: &Shard, stream: Stream, capturing: bool) -> Option<Stream> {
+    fn take_over_shard(&self, shard: &Shard, stream: Stream, may_release: bool) -> Option<Stream> {
         if shard.private {
             return None;
         }
         // Never waited for: a shard in use is no candidate.
         let mut inner = shard.inner.try_lock()?;
-        // Nothing goes back to the driver while a capture is underway; a shard that already
-        // holds nothing may still move.
-        if !inner.pending.is_empty() && !capturing {
-            self.process_events(shard, &mut inner);
-        }
-        if !inner.live.is_empty() || !inner.pending.is_empty() {
-            return None;
-        }
-        let released = capturing
-            || (self.release_segments(shard, &mut inner, usize::MAX).is_ok()
+        if may_release {
+            if !inner.pending.is_empty() {
+                self.process_events(shard, &mut inner);
+            }
+            if !inner.live.is_empty() || !inner.pending.is_empty() {
+                return None;
+            }
+            let released = self.release_segments(shard, &mut inner, usize::MAX).is_ok()
                 && self.free_mapped(shard) == 0
-                && self.release_expandable(shard, &mut inner, 0).is_ok());
-        if !released {
-            return None;
+                && self.release_expandable(shard, &mut inner, 0).is_ok();
+            if !released {
+                return None;
+            }
         }
         Self::move_if_idle(shard, &mut inner, stream)
     }

@@ -5,10 +5,10 @@
 //! never freed while the table lives: a process has at most [`MAX_SHARDS`] of them per device.
 //! A new stream first takes a shard offered as idle ([`ShardTable::offer_idle`]: the last
 //! emptying of the cache left it holding nothing), whose structures are already grown, if it
-//! still holds nothing (`adopt`); when the table is full, a shard that holds nothing once its cache is
-//! returned (its stream is gone or idle) moves to the new stream (`reuse`). A lookup racing
-//! with such a move may return a shard that does not serve the stream looked up, so callers
-//! that act for a stream check, under the shard's lock, that the shard serves it.
+//! still holds nothing (`adopt`); when the table is full, a shard that holds nothing once its
+//! cache is returned (its stream is gone or idle) moves to the new stream (`reuse`). A lookup
+//! racing with such a move may return a shard that does not serve the stream looked up, so
+//! callers that act for a stream check, under the shard's lock, that the shard serves it.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicPtr, AtomicU32, AtomicUsize, Ordering::*};
@@ -144,8 +144,7 @@ impl<T> ShardTable<T> {
                 continue;
             };
             if let Some(old) = adopt(shard) {
-                self.vacate(old, index as usize);
-                self.place(key, index as usize);
+                self.moved(old, key, index as usize);
                 return Ok(shard);
             }
         }
@@ -173,8 +172,7 @@ impl<T> ShardTable<T> {
                 };
                 if let Some(old) = reuse(shard) {
                     inserts.next_reuse = (index + 1) % MAX_SHARDS;
-                    self.vacate(old, index);
-                    self.place(key, index);
+                    self.moved(old, key, index);
                     return Ok(shard);
                 }
             }
@@ -208,6 +206,13 @@ impl<T> ShardTable<T> {
             // At most MAX_SHARDS buckets hold a key, so an empty or vacated one comes.
             b = (b + 1) & (BUCKETS - 1);
         }
+    }
+
+    /// Maps `key` to shard `index`, which served `old` until now. The caller holds the
+    /// insertion lock.
+    fn moved(&self, old: usize, key: usize, index: usize) {
+        self.vacate(old, index);
+        self.place(key, index);
     }
 
     /// Marks vacated the bucket that maps `key`, the key shard `index` served, to it: the one

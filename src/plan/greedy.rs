@@ -628,12 +628,11 @@ impl LifetimeFloors {
     /// allocation live at all of them lies lower.
     #[inline]
     fn under(&self, (lo, hi): (usize, usize)) -> u64 {
-        // The blocks within the lifetime.
-        let (lo, hi) = (lo.div_ceil(1 << BLOCK_SHIFT), hi >> BLOCK_SHIFT);
+        let (lo, hi) = inward((lo as u32, hi as u32));
         if lo >= hi {
             return 0;
         }
-        let hi = hi as u32;
+        let lo = lo as usize;
         let mut floor = 0;
         let mut k = self.leaves - lo;
         while k > 0 {
@@ -678,6 +677,12 @@ const BLOCK_SHIFT: u32 = 4;
 /// The blocks of leaves ([`BLOCK_SHIFT`]) that hold leaves `lo..hi`, as a range.
 fn outward((lo, hi): (u32, u32)) -> (u32, u32) {
     (lo >> BLOCK_SHIFT, hi.div_ceil(1 << BLOCK_SHIFT))
+}
+
+/// The blocks of leaves ([`BLOCK_SHIFT`]) that leaves `lo..hi` hold whole, as a range (empty
+/// when there are none).
+fn inward((lo, hi): (u32, u32)) -> (u32, u32) {
+    (lo.div_ceil(1 << BLOCK_SHIFT), hi >> BLOCK_SHIFT)
 }
 
 /// The outer nodes of [`LifetimeFloors`] that hold lifetimes starting at block `lo`.
