@@ -10,8 +10,9 @@
 //! - When the driver is out of memory, every unused cached segment of the device is returned
 //!   (after waiting for outstanding events) and the request is retried once.
 //!
-//! The device is sharded by stream ([`shard`]): each stream has its own lock, pools and
-//! statistics, so threads working on different streams do not contend.
+//! The device is sharded by stream ([`shard`]): each stream has its own lock ([`lock`]: one
+//! atomic operation per uncontended lock and unlock), pools and statistics, so threads
+//! working on different streams do not contend.
 //!
 //! PyTorch's other allocator hooks live beside: graph private pools and capture awareness
 //! ([`graph`]), the memory fraction ([`limit`]), base allocations ([`DeviceAllocator::base_allocation`]).
@@ -24,6 +25,7 @@ pub mod graph;
 pub mod history;
 mod limit;
 mod live;
+mod lock;
 mod policy;
 pub mod shard;
 pub mod size;
@@ -34,7 +36,8 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicUsize, Ordering::Relaxed, Ordering::SeqCst};
 use std::sync::Arc;
 
-use parking_lot::{MutexGuard, RwLock};
+use lock::ShardGuard;
+use parking_lot::RwLock;
 
 use crate::config::{roundup_interval, Config, Policy, ROUNDUP_INTERVALS};
 use crate::driver::{Driver, Event, Stream};
@@ -364,7 +367,7 @@ impl DeviceAllocator {
     /// Runs `locked` with `shard`'s lock, or marks the shard settled in its thread's place
     /// when that thread holds the lock and waits for the settle lock, which the caller holds
     /// ([`stats`]). Never waits for a waiting shard.
-    fn lock_or_proxy<'s>(&self, shard: &'s Shard, locked: impl FnOnce(MutexGuard<'s, ShardInner>)) {
+    fn lock_or_proxy<'s>(&self, shard: &'s Shard, locked: impl FnOnce(ShardGuard<'s, ShardInner>)) {
         // Waits for the lock a little at a time (its holder may be in a driver call), looking
         // in between for the mark of a thread that waits for the settle lock.
         const GLANCE: std::time::Duration = std::time::Duration::from_micros(20);
@@ -483,8 +486,8 @@ impl DeviceAllocator {
             self.note(Action::Alloc, addr, size, stream);
             return Ok(addr);
         }
-        // The full path goes on under the same lock (an uncontended lock and unlock still
-        // cost two atomic read-modify-writes).
+        // The full path goes on under the same lock (locking again would cost another atomic
+        // compare-and-swap).
         first.settle_memo();
         let mut first = Some(first);
         loop {
@@ -735,7 +738,7 @@ impl DeviceAllocator {
         &'a self,
         shard: &'a Shard,
         ptr: usize,
-    ) -> Option<(&'a Shard, MutexGuard<'a, ShardInner>, u32)> {
+    ) -> Option<(&'a Shard, ShardGuard<'a, ShardInner>, u32)> {
         self.unallocate_from(shard, shard.inner.lock(), ptr)
     }
 
@@ -743,9 +746,9 @@ impl DeviceAllocator {
     fn unallocate_from<'a>(
         &'a self,
         shard: &'a Shard,
-        mut inner: MutexGuard<'a, ShardInner>,
+        mut inner: ShardGuard<'a, ShardInner>,
         ptr: usize,
-    ) -> Option<(&'a Shard, MutexGuard<'a, ShardInner>, u32)> {
+    ) -> Option<(&'a Shard, ShardGuard<'a, ShardInner>, u32)> {
         let id = inner.unallocate(ptr, self.max_split_size, &mut self.op_sink(shard))?;
         Some((shard, inner, id))
     }
@@ -754,7 +757,7 @@ impl DeviceAllocator {
     fn finish_free(
         &self,
         shard: &Shard,
-        mut inner: MutexGuard<'_, ShardInner>,
+        mut inner: ShardGuard<'_, ShardInner>,
         id: u32,
     ) -> Result<()> {
         if inner.block(id).stream_uses.is_empty() {
@@ -781,7 +784,7 @@ impl DeviceAllocator {
     fn record_free_events(
         &self,
         shard: &Shard,
-        mut inner: MutexGuard<'_, ShardInner>,
+        mut inner: ShardGuard<'_, ShardInner>,
         id: u32,
     ) -> Result<()> {
         let uses = std::mem::take(&mut inner.block_mut(id).stream_uses);
@@ -1171,7 +1174,7 @@ impl DeviceAllocator {
 
     /// Every shard, locked (its held memo allocation settled) or, when its thread waits for
     /// the settle lock that the caller holds, proxied ([`DeviceAllocator::lock_or_proxy`]).
-    fn lock_all_or_proxy(&self) -> (Vec<&Shard>, Vec<MutexGuard<'_, ShardInner>>) {
+    fn lock_all_or_proxy(&self) -> (Vec<&Shard>, Vec<ShardGuard<'_, ShardInner>>) {
         let shards: Vec<&Shard> = self.shards.iter().collect();
         let mut guards = Vec::with_capacity(shards.len());
         for shard in &shards {
@@ -1184,7 +1187,7 @@ impl DeviceAllocator {
     }
 
     /// Undoes [`DeviceAllocator::lock_all_or_proxy`].
-    fn unlock_all(&self, shards: &[&Shard], guards: Vec<MutexGuard<'_, ShardInner>>) {
+    fn unlock_all(&self, shards: &[&Shard], guards: Vec<ShardGuard<'_, ShardInner>>) {
         for shard in shards {
             shard.stats.held.store(false, Relaxed);
             shard.stats.proxied.store(false, Relaxed);

@@ -11,7 +11,7 @@
 //! - a block is in its pool's free index exactly when its state is [`State::Free`];
 //! - `live` maps the address of every allocated block (state [`State::Allocated`]) to its id.
 
-use parking_lot::{Mutex, MutexGuard};
+use super::lock::{ShardGuard, ShardMutex};
 
 use super::free_index::FreeIndex;
 use super::live::LiveTable;
@@ -202,21 +202,22 @@ fn deactivation_stats(pool: PoolKind, size: usize, stats: &mut impl StatSink) {
     stats.both(StatKind::ActiveBytes, pool, -(size as i64));
 }
 
-/// A shard's lock. Locking carries out a held memo allocation first ([`Memo`]), so callers
-/// see only real blocks; the cached fast paths use [`ShardLock::lock_memo`].
+/// A shard's lock ([`super::lock`]). Locking carries out a held memo allocation first
+/// ([`Memo`]), so callers see only real blocks; the cached fast paths use
+/// [`ShardLock::lock_memo`].
 #[derive(Default)]
-pub(crate) struct ShardLock(Mutex<ShardInner>);
+pub(crate) struct ShardLock(ShardMutex<ShardInner>);
 
 impl ShardLock {
     #[inline]
-    pub fn lock(&self) -> MutexGuard<'_, ShardInner> {
+    pub fn lock(&self) -> ShardGuard<'_, ShardInner> {
         let mut inner = self.0.lock();
         inner.settle_memo();
         inner
     }
 
     #[inline]
-    pub fn try_lock(&self) -> Option<MutexGuard<'_, ShardInner>> {
+    pub fn try_lock(&self) -> Option<ShardGuard<'_, ShardInner>> {
         let mut inner = self.0.try_lock()?;
         inner.settle_memo();
         Some(inner)
@@ -226,13 +227,13 @@ impl ShardLock {
     /// calls [`ShardInner::settle_memo`] before anything else, or touches only the shard's
     /// statistics (a settle of peaks).
     #[inline]
-    pub fn lock_memo(&self) -> MutexGuard<'_, ShardInner> {
+    pub fn lock_memo(&self) -> ShardGuard<'_, ShardInner> {
         self.0.lock()
     }
 
     /// [`ShardLock::lock_memo`] if the lock is free.
     #[inline]
-    pub fn try_lock_memo(&self) -> Option<MutexGuard<'_, ShardInner>> {
+    pub fn try_lock_memo(&self) -> Option<ShardGuard<'_, ShardInner>> {
         self.0.try_lock()
     }
 
@@ -240,7 +241,7 @@ impl ShardLock {
     pub fn try_lock_memo_for(
         &self,
         timeout: std::time::Duration,
-    ) -> Option<MutexGuard<'_, ShardInner>> {
+    ) -> Option<ShardGuard<'_, ShardInner>> {
         self.0.try_lock_for(timeout)
     }
 

@@ -1,0 +1,256 @@
+//! The lock of a device shard.
+//!
+//! A shard is nearly always locked by the one thread working on its stream, for the tens of
+//! nanoseconds of a cached malloc or free, but now and then for the milliseconds of a driver
+//! call (a new segment, an emptied cache) while other threads want it. So waiters must sleep
+//! rather than spin, and the uncontended path should cost as little as the host shards'
+//! spinlock: one compare-and-swap to lock, and a plain release store to unlock, where a
+//! general-purpose mutex unlocks with a second atomic read-modify-write.
+//!
+//! The lock has three states: free, locked, and locked with waiters that may sleep
+//! (*contended*). A waiter spins a little, then marks the lock contended and sleeps in
+//! `parking_lot_core`'s queue; the holder of a contended lock wakes one sleeper when it
+//! unlocks. A waiter that took the lock after sleeping keeps the contended mark, so that its
+//! own unlock wakes the next. An uncontended unlock reads the state and, seeing no mark,
+//! stores *free*: a waiter that marks the lock between that read and that store is not woken,
+//! which is why every sleep is capped at [`NAP`]. Such a waiter looks again at the latest when
+//! its nap ends, so the race costs at most one nap, and only to a waiter that arrived within
+//! nanoseconds of an unlock.
+
+use std::sync::atomic::{
+    AtomicU8,
+    Ordering::{Acquire, Relaxed, Release},
+};
+use std::time::{Duration, Instant};
+
+use lock_api::RawMutex as _;
+use parking_lot_core::{SpinWait, DEFAULT_PARK_TOKEN, DEFAULT_UNPARK_TOKEN};
+
+const FREE: u8 = 0;
+const LOCKED: u8 = 1;
+/// Locked, and other threads may sleep waiting for it.
+const CONTENDED: u8 = 2;
+
+/// The longest a waiter sleeps before it looks at the lock again (see the module
+/// documentation).
+const NAP: Duration = Duration::from_micros(200);
+
+/// The raw lock of a device shard; see the module documentation.
+pub(crate) struct RawShardLock {
+    state: AtomicU8,
+}
+
+/// A value behind a [`RawShardLock`].
+pub(crate) type ShardMutex<T> = lock_api::Mutex<RawShardLock, T>;
+/// The guard of a locked [`ShardMutex`].
+pub(crate) type ShardGuard<'a, T> = lock_api::MutexGuard<'a, RawShardLock, T>;
+
+// SAFETY: a thread holds the lock only after changing the state from free to locked or
+// contended with Acquire ordering (a compare-and-swap or a swap that saw free), so one thread
+// holds it at a time; every unlock stores free with Release ordering, so the holder's writes
+// are seen by the next one.
+unsafe impl lock_api::RawMutex for RawShardLock {
+    #[allow(clippy::declare_interior_mutable_const)]
+    const INIT: RawShardLock = RawShardLock {
+        state: AtomicU8::new(FREE),
+    };
+    type GuardMarker = lock_api::GuardSend;
+
+    #[inline]
+    fn lock(&self) {
+        if !self.try_lock() {
+            self.wait(None);
+        }
+    }
+
+    #[inline]
+    fn try_lock(&self) -> bool {
+        self.state
+            .compare_exchange(FREE, LOCKED, Acquire, Relaxed)
+            .is_ok()
+    }
+
+    #[inline]
+    unsafe fn unlock(&self) {
+        if self.state.load(Relaxed) == LOCKED {
+            self.state.store(FREE, Release);
+        } else {
+            self.unlock_contended();
+        }
+    }
+
+    #[inline]
+    fn is_locked(&self) -> bool {
+        self.state.load(Relaxed) != FREE
+    }
+}
+
+// SAFETY: as for `RawMutex`: the timed locks take the lock only the same ways.
+unsafe impl lock_api::RawMutexTimed for RawShardLock {
+    type Duration = Duration;
+    type Instant = Instant;
+
+    fn try_lock_for(&self, timeout: Duration) -> bool {
+        // A timeout too long to represent waits as long as it takes.
+        self.try_lock() || self.wait(Instant::now().checked_add(timeout))
+    }
+
+    fn try_lock_until(&self, deadline: Instant) -> bool {
+        self.try_lock() || self.wait(Some(deadline))
+    }
+}
+
+impl RawShardLock {
+    /// Takes the lock once it is free, or gives up at `deadline`. Returns whether it took
+    /// the lock.
+    #[cold]
+    #[inline(never)]
+    fn wait(&self, deadline: Option<Instant>) -> bool {
+        // A short hold ends while the waiter spins.
+        let mut spin = SpinWait::new();
+        loop {
+            if self.state.load(Relaxed) == FREE {
+                if self.try_lock() {
+                    return true;
+                }
+            } else if !spin.spin() {
+                break;
+            }
+        }
+        loop {
+            // Taking the lock this way keeps the contended mark: others may still sleep.
+            if self.state.swap(CONTENDED, Acquire) == FREE {
+                return true;
+            }
+            let now = Instant::now();
+            if deadline.is_some_and(|d| now >= d) {
+                return false;
+            }
+            let wake = now + NAP;
+            let wake = deadline.map_or(wake, |d| d.min(wake));
+            // SAFETY: the key is this lock's address, unique to it while it lives (a thread
+            // sleeps only inside this call, which borrows the lock); the callbacks neither
+            // panic nor call into `parking_lot_core`.
+            unsafe {
+                parking_lot_core::park(
+                    self.key(),
+                    || self.state.load(Relaxed) == CONTENDED,
+                    || {},
+                    |_, _| {},
+                    DEFAULT_PARK_TOKEN,
+                    Some(wake),
+                );
+            }
+        }
+    }
+
+    /// Unlocks a lock that others may wait for, and wakes one of them.
+    #[cold]
+    #[inline(never)]
+    fn unlock_contended(&self) {
+        self.state.store(FREE, Release);
+        // SAFETY: as in `wait`; the callback does nothing.
+        unsafe {
+            parking_lot_core::unpark_one(self.key(), |_| DEFAULT_UNPARK_TOKEN);
+        }
+    }
+
+    fn key(&self) -> usize {
+        self as *const RawShardLock as usize
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicUsize;
+    use std::sync::Arc;
+
+    fn state<T>(m: &ShardMutex<T>) -> u8 {
+        // SAFETY: reading the raw lock's state neither locks nor unlocks it.
+        unsafe { m.raw() }.state.load(Relaxed)
+    }
+
+    #[test]
+    fn threads_never_hold_it_together() {
+        // More threads than the cores of a small machine, so that holders are preempted and
+        // waiters sleep.
+        const THREADS: usize = 6;
+        const ROUNDS: usize = 20_000;
+        let counter = Arc::new(ShardMutex::new(0usize));
+        let inside = Arc::new(AtomicUsize::new(0));
+        let threads: Vec<_> = (0..THREADS)
+            .map(|k| {
+                let (counter, inside) = (counter.clone(), inside.clone());
+                std::thread::spawn(move || {
+                    for round in 0..ROUNDS {
+                        let mut held = counter.lock();
+                        assert_eq!(inside.fetch_add(1, Relaxed), 0, "two holders at once");
+                        // A plain read-modify-write, lost if another holder interleaved.
+                        let seen = *held;
+                        if (round + k) % 1000 == 0 {
+                            // Now and then a long hold, as of a driver call.
+                            std::thread::sleep(Duration::from_micros(300));
+                        }
+                        *held = seen + 1;
+                        inside.fetch_sub(1, Relaxed);
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        assert_eq!(*counter.lock(), THREADS * ROUNDS);
+        assert!(!counter.is_locked());
+    }
+
+    #[test]
+    fn a_timed_lock_gives_up_at_its_timeout_and_takes_a_freed_lock() {
+        let m = Arc::new(ShardMutex::new(()));
+        let held = m.lock();
+        let other = m.clone();
+        let start = Instant::now();
+        let took =
+            std::thread::spawn(move || other.try_lock_for(Duration::from_millis(20)).is_some())
+                .join()
+                .unwrap();
+        assert!(!took, "took a lock held throughout");
+        assert!(
+            start.elapsed() >= Duration::from_millis(20),
+            "gave up early"
+        );
+        // The waiter left the contended mark behind: the unlock wakes nobody, harmlessly.
+        assert_eq!(state(&m), CONTENDED);
+        drop(held);
+        assert_eq!(state(&m), FREE);
+
+        let held = m.lock();
+        let other = m.clone();
+        let waiter =
+            std::thread::spawn(move || other.try_lock_for(Duration::from_secs(60)).is_some());
+        std::thread::sleep(Duration::from_millis(20));
+        drop(held);
+        assert!(waiter.join().unwrap(), "a freed lock was not taken");
+        assert!(!m.is_locked());
+    }
+
+    #[test]
+    fn a_sleeping_waiter_is_woken_by_the_unlock() {
+        let m = Arc::new(ShardMutex::new(0u32));
+        let mut held = m.lock();
+        let other = m.clone();
+        let waiter = std::thread::spawn(move || {
+            let mut v = other.lock();
+            *v += 1;
+            *v
+        });
+        // Long enough for the waiter to stop spinning and sleep.
+        std::thread::sleep(Duration::from_millis(50));
+        assert_eq!(state(&m), CONTENDED, "the waiter did not sleep");
+        *held = 41;
+        drop(held);
+        assert_eq!(waiter.join().unwrap(), 42);
+        assert_eq!(state(&m), FREE);
+    }
+}
