@@ -18,6 +18,8 @@
 //!   ratio to one thread, from wall time), and the cores the run actually got (CPU time of
 //!   all threads / wall time). When other processes take the cores, wall scaling falls with
 //!   the cores granted while CPU time per pair stays flat if the threads share nothing.
+//!   Then the device's threads all on one stream: they take turns at its lock, so the
+//!   figures show what contention costs (throughput falls below one thread's).
 //! - `replay`: every trace in `tests/data/traces/` replayed through `tensoralloc_malloc` and
 //!   `tensoralloc_free` on the simulated device, on streams of its own per trace (the
 //!   allocations live when recording started are not recreated, and their frees skipped):
@@ -159,6 +161,7 @@ fn threads_of(name: &str, work: fn(usize)) {
 
 fn threads() {
     threads_of("device", |t| device_pair(stream(20 + t)));
+    threads_of("device, one stream shared", |_| device_pair(stream(19)));
     threads_of("host", |_| host_pair());
 }
 
