@@ -14,6 +14,7 @@ pub mod device;
 pub mod driver;
 pub mod error;
 pub mod host;
+pub(crate) mod lock;
 pub mod plan;
 /// cbindgen:ignore
 pub mod replay;

@@ -10,8 +10,8 @@
 //! - When the driver is out of memory, every unused cached segment of the device is returned
 //!   (after waiting for outstanding events) and the request is retried once.
 //!
-//! The device is sharded by stream ([`shard`]): each stream has its own lock ([`lock`]: one
-//! atomic operation per uncontended lock and unlock), pools and statistics, so threads
+//! The device is sharded by stream ([`shard`]): each stream has its own lock ([`crate::lock`]:
+//! one atomic operation per uncontended lock and unlock), pools and statistics, so threads
 //! working on different streams do not contend.
 //!
 //! PyTorch's other allocator hooks live beside: graph private pools and capture awareness
@@ -25,7 +25,6 @@ pub mod graph;
 pub mod history;
 mod limit;
 mod live;
-mod lock;
 mod policy;
 pub mod shard;
 pub mod size;
@@ -36,7 +35,7 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicUsize, Ordering::Relaxed, Ordering::SeqCst};
 use std::sync::Arc;
 
-use lock::ShardGuard;
+use crate::lock::ShardGuard;
 use parking_lot::RwLock;
 
 use crate::config::{roundup_interval, Config, Policy, ROUNDUP_INTERVALS};

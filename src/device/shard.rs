@@ -11,7 +11,7 @@
 //! - a block is in its pool's free index exactly when its state is [`State::Free`];
 //! - `live` maps the address of every allocated block (state [`State::Allocated`]) to its id.
 
-use super::lock::{ShardGuard, ShardMutex};
+use crate::lock::{ShardGuard, ShardMutex};
 
 use super::free_index::FreeIndex;
 use super::live::LiveTable;
@@ -202,7 +202,7 @@ fn deactivation_stats(pool: PoolKind, size: usize, stats: &mut impl StatSink) {
     stats.both(StatKind::ActiveBytes, pool, -(size as i64));
 }
 
-/// A shard's lock ([`super::lock`]). Locking carries out a held memo allocation first
+/// A shard's lock ([`crate::lock`]). Locking carries out a held memo allocation first
 /// ([`Memo`]), so callers see only real blocks; the cached fast paths use
 /// [`ShardLock::lock_memo`].
 #[derive(Default)]

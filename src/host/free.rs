@@ -5,12 +5,11 @@ use std::sync::atomic::Ordering;
 
 use super::arena::{Block, ALLOCATED, ALLOCATED_WITH_STREAMS, FREE, PENDING};
 use super::events::Guard;
-use super::shard::{FreeBlock, RawSpin, ShardInner};
+use super::shard::{FreeBlock, ShardInner};
 use super::HostAllocator;
 use crate::driver::{Event, Stream};
 use crate::error::{Error, Result};
-
-type SpinGuard<'a> = lock_api::MutexGuard<'a, RawSpin, ShardInner>;
+use crate::lock::ShardGuard;
 
 impl HostAllocator {
     /// The block at `ptr`. A `ctx` from `malloc` avoids the lookup; a context that does not
@@ -77,7 +76,7 @@ impl HostAllocator {
 
     /// Locks the home shard of `b`. Every change of a handed-out block's state happens under
     /// this lock, which is what makes a double free detectable without a compare-and-swap.
-    fn lock_home(&self, b: &Block) -> SpinGuard<'_> {
+    fn lock_home(&self, b: &Block) -> ShardGuard<'_, ShardInner> {
         loop {
             let home = b.home();
             let g = self.shards[home].inner.lock();

@@ -2,10 +2,11 @@
 //!
 //! Each thread is given a home shard when it first allocates: the one with the fewest live
 //! threads, given back when the thread exits, so up to as many threads as shards never share
-//! one, however many threads came and went before (no run-to-run lottery). A shard owns free blocks, one min-heap per size class
-//! ordered by address, and the counters of the blocks it handed out. Shards are padded to
-//! separate cache lines, so threads that allocate and free on their own shards share no
-//! written memory.
+//! one, however many threads came and went before (no run-to-run lottery). A shard owns free
+//! blocks, one min-heap per size class ordered by address, and the counters of the blocks it
+//! handed out. Shards are padded to separate cache lines, so threads that allocate and free on
+//! their own shards share no written memory. A shard's lock ([`crate::lock`], the device
+//! shards' too) costs one atomic operation to take and a plain store to release.
 //!
 //! Peaks of sharded counters stay exact with a reservation scheme: every shard has a limit
 //! per counter, the limits add up to the recorded peak, and a shard may grow a counter only
@@ -17,7 +18,9 @@
 use std::cell::Cell;
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use crate::lock::ShardMutex;
 
 /// Size classes: a block of `size` bytes is in class `floor(log2(size))`.
 pub(crate) const CLASSES: usize = usize::BITS as usize;
@@ -33,62 +36,10 @@ pub(crate) const COUNTERS: usize = 3;
 
 pub(crate) type Counts = [i64; COUNTERS];
 
-/// The shard lock: a spinlock, because a shard is nearly always taken by its own thread and
-/// held for a few instructions. Taking it is one compare-and-swap and releasing it a plain
-/// store (a general-purpose mutex releases with a second compare-and-swap, a large share of
-/// the cached path's cost). A waiter spins briefly, then yields its time slice.
-pub(crate) struct RawSpin(AtomicBool);
-
-// SAFETY: `lock` returns only after changing the flag from false to true with Acquire, and
-// `unlock` stores false with Release, so at most one holder exists and its writes are seen
-// by the next one.
-unsafe impl lock_api::RawMutex for RawSpin {
-    #[allow(clippy::declare_interior_mutable_const)]
-    const INIT: RawSpin = RawSpin(AtomicBool::new(false));
-    type GuardMarker = lock_api::GuardSend;
-
-    #[inline]
-    fn lock(&self) {
-        if self.try_lock() {
-            return;
-        }
-        let mut spins = 0u32;
-        loop {
-            // Wait on a plain load so waiters do not take the line from the holder.
-            while self.0.load(Ordering::Relaxed) {
-                if spins < 64 {
-                    std::hint::spin_loop();
-                    spins += 1;
-                } else {
-                    std::thread::yield_now();
-                }
-            }
-            if self.try_lock() {
-                return;
-            }
-        }
-    }
-
-    #[inline]
-    fn try_lock(&self) -> bool {
-        self.0
-            .compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed)
-            .is_ok()
-    }
-
-    #[inline]
-    unsafe fn unlock(&self) {
-        self.0.store(false, Ordering::Release);
-    }
-}
-
-/// A mutex over [`RawSpin`].
-pub(crate) type SpinMutex<T> = lock_api::Mutex<RawSpin, T>;
-
 /// A shard, on its own cache lines.
 #[repr(align(128))]
 pub(crate) struct Shard {
-    pub(crate) inner: SpinMutex<ShardInner>,
+    pub(crate) inner: ShardMutex<ShardInner>,
 }
 
 pub(crate) struct ShardInner {
@@ -107,7 +58,7 @@ pub(crate) struct ShardInner {
 impl Shard {
     pub(crate) fn new() -> Shard {
         Shard {
-            inner: SpinMutex::new(ShardInner {
+            inner: ShardMutex::new(ShardInner {
                 nonempty: 0,
                 free: std::array::from_fn(|_| BinaryHeap::new()),
                 counts: [0; COUNTERS],

@@ -583,8 +583,8 @@ impl Floors {
 /// 130 with these as well.
 struct LifetimeFloors {
     /// Blocks of leaves ([`BLOCK_SHIFT`]).
-    leaves: usize,
-    /// Outer node `k` (1-based) holds the ranges whose reversed first block `leaves - lo` lies
+    blocks: usize,
+    /// Outer node `k` (1-based) holds the ranges whose reversed first block `blocks - lo` lies
     /// in its Fenwick span: their end blocks, sorted and distinct, at `ends[at[k]..at[k + 1]]`,
     /// and the inner Fenwick tree of maxima over them at the same places of `best`.
     at: Vec<usize>,
@@ -596,13 +596,13 @@ impl LifetimeFloors {
     /// Floors for the lifetimes `spans` (ranges of leaves `lo..hi`, `lo < hi <= leaves`), all
     /// at 0, kept by blocks of leaves.
     fn new(leaves: usize, spans: impl Iterator<Item = (u32, u32)>) -> LifetimeFloors {
-        let leaves = leaves.div_ceil(1 << BLOCK_SHIFT);
-        let mut members: Vec<Vec<u32>> = vec![Vec::new(); leaves + 1];
+        let blocks = leaves.div_ceil(1 << BLOCK_SHIFT);
+        let mut members: Vec<Vec<u32>> = vec![Vec::new(); blocks + 1];
         for span in spans {
             let (lo, hi) = outward(span);
-            outer_path(leaves, lo as usize).for_each(|k| members[k].push(hi));
+            outer_path(blocks, lo as usize).for_each(|k| members[k].push(hi));
         }
-        let mut at = Vec::with_capacity(leaves + 2);
+        let mut at = Vec::with_capacity(blocks + 2);
         let mut ends = Vec::new();
         at.push(0);
         for list in &mut members {
@@ -613,7 +613,7 @@ impl LifetimeFloors {
         }
         let best = vec![0; ends.len()];
         LifetimeFloors {
-            leaves,
+            blocks,
             at,
             ends,
             best,
@@ -634,7 +634,7 @@ impl LifetimeFloors {
         }
         let lo = lo as usize;
         let mut floor = 0;
-        let mut k = self.leaves - lo;
+        let mut k = self.blocks - lo;
         while k > 0 {
             let (from, to) = (self.at[k], self.at[k + 1]);
             let mut j = self.ends[from..to].partition_point(|&e| e <= hi);
@@ -652,7 +652,7 @@ impl LifetimeFloors {
     #[inline]
     fn raise(&mut self, (lo, hi): (usize, usize), height: u64) {
         let (lo, hi) = outward((lo as u32, hi as u32));
-        for k in outer_path(self.leaves, lo as usize) {
+        for k in outer_path(self.blocks, lo as usize) {
             let (from, to) = (self.at[k], self.at[k + 1]);
             let ends = &self.ends[from..to];
             let mut j = ends.partition_point(|&e| e < hi) + 1;
@@ -686,9 +686,9 @@ fn inward((lo, hi): (u32, u32)) -> (u32, u32) {
 }
 
 /// The outer nodes of [`LifetimeFloors`] that hold lifetimes starting at block `lo`.
-fn outer_path(leaves: usize, lo: usize) -> impl Iterator<Item = usize> {
-    std::iter::successors(Some(leaves - lo), move |&k| {
-        Some(k + (k & k.wrapping_neg())).filter(|&next| next <= leaves)
+fn outer_path(blocks: usize, lo: usize) -> impl Iterator<Item = usize> {
+    std::iter::successors(Some(blocks - lo), move |&k| {
+        Some(k + (k & k.wrapping_neg())).filter(|&next| next <= blocks)
     })
 }
 

@@ -1,11 +1,12 @@
-//! The lock of a device shard.
+//! The lock of a shard, in both allocators.
 //!
-//! A shard is nearly always locked by the one thread working on its stream, for the tens of
-//! nanoseconds of a cached malloc or free, but now and then for the milliseconds of a driver
-//! call (a new segment, an emptied cache) while other threads want it. So waiters must sleep
-//! rather than spin, and the uncontended path should cost as little as the host shards'
-//! spinlock: one compare-and-swap to lock, and a plain release store to unlock, where a
-//! general-purpose mutex unlocks with a second atomic read-modify-write.
+//! A shard is nearly always locked by one thread (the one working on a device shard's stream,
+//! the one a host shard is home to), for the tens of nanoseconds of a cached malloc or free,
+//! but a device shard now and then for the milliseconds of a driver call (a new segment, an
+//! emptied cache) while other threads want it. So waiters must sleep rather than spin, and the
+//! uncontended path should cost as little as possible: one compare-and-swap to lock, and a
+//! plain release store to unlock, where a general-purpose mutex unlocks with a second atomic
+//! read-modify-write.
 //!
 //! The lock has three states: free, locked, and locked with waiters that may sleep
 //! (*contended*). A waiter spins a little, then marks the lock contended and sleeps in
@@ -35,7 +36,7 @@ const CONTENDED: u8 = 2;
 /// documentation).
 const NAP: Duration = Duration::from_micros(200);
 
-/// The raw lock of a device shard; see the module documentation.
+/// The raw lock of a shard; see the module documentation.
 pub(crate) struct RawShardLock {
     state: AtomicU8,
 }
