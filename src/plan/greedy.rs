@@ -151,6 +151,19 @@ impl Greedy {
     /// in the gap `fit` picks: the tiny ones ([`TINY_SHIFT`]) after all the others, each group
     /// in the sequence's order, and always in the lowest gap that holds them.
     pub(crate) fn pass(&mut self, p: &Problem, sequence: &[u32], fit: Fit) -> OffsetPlan {
+        self.pass_under(p, sequence, fit, u64::MAX)
+            .expect("no arena reaches u64::MAX bytes")
+    }
+
+    /// [`Greedy::pass`], given up (`None`) once its arena reaches `cap` bytes: a pass's arena
+    /// only grows as it places allocations, so its plan would be at least that large.
+    pub(crate) fn pass_under(
+        &mut self,
+        p: &Problem,
+        sequence: &[u32],
+        fit: Fit,
+        cap: u64,
+    ) -> Option<OffsetPlan> {
         self.lists.clear();
         if let Some(floors) = &mut self.floors {
             floors.clear();
@@ -164,14 +177,20 @@ impl Greedy {
         let mut arena = 0u64;
         for &i in sequence.iter().filter(|&&i| p.sizes[i as usize] > tiny) {
             arena = arena.max(self.place(p, i as usize, fit));
+            if arena >= cap {
+                return None;
+            }
         }
         for &i in sequence.iter().filter(|&&i| p.sizes[i as usize] <= tiny) {
             arena = arena.max(self.place(p, i as usize, Fit::Lowest));
+            if arena >= cap {
+                return None;
+            }
         }
-        OffsetPlan {
+        Some(OffsetPlan {
             offsets: self.offsets.clone(),
             arena_size: arena,
-        }
+        })
     }
 
     /// Places allocation `i` in the gap `fit` picks. Returns where it ends.
@@ -764,6 +783,36 @@ mod tests {
                     let plain = pass(&p, sequence, fit, Kept::None);
                     for kept in [Kept::Nodes, Kept::Lifetimes, Kept::Both] {
                         prop_assert_eq!(&plain, &pass(&p, sequence, fit, kept), "{:?}", kept);
+                    }
+                }
+            }
+        }
+    }
+
+    /// A pass under a cap is given up exactly when the plan made without one is at least the
+    /// cap's size, and otherwise makes that plan, after a given-up pass on the same scratch
+    /// space too: on a dense graph (which takes on lifetime floors) and on a sparse model trace,
+    /// by first fit and by best fit, with caps below, at and above the plan's arena.
+    #[test]
+    fn a_pass_under_a_cap_gives_up_exactly_when_its_plan_would_reach_it() {
+        let inputs = [
+            crate::plan::traces::sharded_graph(3000, 2),
+            crate::plan::traces::transformer_training(4, 6, 2, 256, 512, 8, 3),
+        ];
+        for allocs in inputs {
+            let p = Problem::new(&allocs, 1).unwrap();
+            let mut by_size = p.nonzero();
+            by_size.sort_by_key(|&i| (std::cmp::Reverse(p.sizes[i as usize]), i));
+            for fit in [Fit::Lowest, Fit::Smallest] {
+                let plan = Greedy::new(&p).pass(&p, &by_size, fit);
+                let arena = plan.arena_size;
+                let mut greedy = Greedy::new(&p);
+                for cap in [1, arena / 2, arena - 1, arena, arena + 1, u64::MAX] {
+                    let made = greedy.pass_under(&p, &by_size, fit, cap);
+                    if arena >= cap {
+                        assert_eq!(made, None, "{fit:?} cap {cap}, arena {arena}");
+                    } else {
+                        assert_eq!(made.as_ref(), Some(&plan), "{fit:?} cap {cap}");
                     }
                 }
             }

@@ -480,8 +480,7 @@ impl Problem {
                     })
                     .collect(),
             );
-            let plan = greedy.pass(self, &sequence, Fit::Smallest);
-            if plan.arena_size < best.arena_size {
+            if let Some(plan) = greedy.pass_under(self, &sequence, Fit::Smallest, best.arena_size) {
                 best = plan;
             }
         }
@@ -526,8 +525,8 @@ impl Problem {
                 return (best, spent);
             }
             spent += pass_cost;
-            let plan = greedy.pass(self, sequences.get(order), Fit::Lowest);
-            if plan.arena_size < best.arena_size {
+            let cap = best.arena_size;
+            if let Some(plan) = greedy.pass_under(self, sequences.get(order), Fit::Lowest, cap) {
                 best = plan;
             }
         }
@@ -589,10 +588,11 @@ impl Problem {
                     break;
                 }
             }
-            // Strategies of one order share its sequence.
-            let plan = greedy.pass(self, sequences.get(order), fit);
+            // Strategies of one order share its sequence. A pass that reaches the best plan's
+            // arena could not replace it: it is given up there.
+            let cap = best.as_ref().map_or(u64::MAX, |b| b.arena_size);
             tried += 1;
-            if best.as_ref().is_none_or(|b| plan.arena_size < b.arena_size) {
+            if let Some(plan) = greedy.pass_under(self, sequences.get(order), fit, cap) {
                 best = Some(plan);
             }
             if best.as_ref().is_some_and(|b| b.arena_size == bound) {
