@@ -487,6 +487,21 @@ fn bad_input_is_rejected() {
     assert!(plan_offsets(&overflowing, 64, Algorithm::Pytorch).is_err());
 }
 
+/// Allocations adding up to exactly `u64::MAX` bytes are accepted, and every algorithm plans
+/// them into an arena of that size.
+#[test]
+fn an_arena_of_u64_max_bytes_is_planned_by_every_algorithm() {
+    let whole = [a(u64::MAX, 0, 1)];
+    let halves = [a(u64::MAX / 2, 0, 3), a(u64::MAX / 2 + 1, 2, 5)];
+    for allocs in [&whole[..], &halves[..]] {
+        for algorithm in Algorithm::all() {
+            let plan = plan_offsets(allocs, 1, algorithm)
+                .unwrap_or_else(|e| panic!("{}: {e}", algorithm.name()));
+            assert_eq!(plan.arena_size, u64::MAX, "{}", algorithm.name());
+        }
+    }
+}
+
 #[test]
 fn every_algorithm_has_a_name_that_parses_back() {
     for algorithm in Algorithm::all() {

@@ -151,18 +151,19 @@ impl Greedy {
     /// in the gap `fit` picks: the tiny ones ([`TINY_SHIFT`]) after all the others, each group
     /// in the sequence's order, and always in the lowest gap that holds them.
     pub(crate) fn pass(&mut self, p: &Problem, sequence: &[u32], fit: Fit) -> OffsetPlan {
-        self.pass_under(p, sequence, fit, u64::MAX)
-            .expect("no arena reaches u64::MAX bytes")
+        self.pass_under(p, sequence, fit, None)
+            .expect("a pass without a cap is never given up")
     }
 
-    /// [`Greedy::pass`], given up (`None`) once its arena reaches `cap` bytes: a pass's arena
-    /// only grows as it places allocations, so its plan would be at least that large.
+    /// [`Greedy::pass`], given up (`None`) once its arena reaches `cap` bytes, if there is a
+    /// cap: a pass's arena only grows as it places allocations, so its plan would be at least
+    /// that large.
     pub(crate) fn pass_under(
         &mut self,
         p: &Problem,
         sequence: &[u32],
         fit: Fit,
-        cap: u64,
+        cap: Option<u64>,
     ) -> Option<OffsetPlan> {
         self.lists.clear();
         if let Some(floors) = &mut self.floors {
@@ -174,16 +175,15 @@ impl Greedy {
         (self.fitted, self.merged) = (0, 0);
         self.offsets.iter_mut().for_each(|o| *o = 0);
         let tiny = self.tiny;
+        let larger = sequence.iter().filter(|&&i| p.sizes[i as usize] > tiny);
+        let tiny_ones = sequence.iter().filter(|&&i| p.sizes[i as usize] <= tiny);
+        let placing = larger
+            .map(|&i| (i, fit))
+            .chain(tiny_ones.map(|&i| (i, Fit::Lowest)));
         let mut arena = 0u64;
-        for &i in sequence.iter().filter(|&&i| p.sizes[i as usize] > tiny) {
+        for (i, fit) in placing {
             arena = arena.max(self.place(p, i as usize, fit));
-            if arena >= cap {
-                return None;
-            }
-        }
-        for &i in sequence.iter().filter(|&&i| p.sizes[i as usize] <= tiny) {
-            arena = arena.max(self.place(p, i as usize, Fit::Lowest));
-            if arena >= cap {
+            if cap.is_some_and(|cap| arena >= cap) {
                 return None;
             }
         }
@@ -808,7 +808,7 @@ mod tests {
                 let arena = plan.arena_size;
                 let mut greedy = Greedy::new(&p);
                 for cap in [1, arena / 2, arena - 1, arena, arena + 1, u64::MAX] {
-                    let made = greedy.pass_under(&p, &by_size, fit, cap);
+                    let made = greedy.pass_under(&p, &by_size, fit, Some(cap));
                     if arena >= cap {
                         assert_eq!(made, None, "{fit:?} cap {cap}, arena {arena}");
                     } else {

@@ -480,7 +480,8 @@ impl Problem {
                     })
                     .collect(),
             );
-            if let Some(plan) = greedy.pass_under(self, &sequence, Fit::Smallest, best.arena_size) {
+            let cap = Some(best.arena_size);
+            if let Some(plan) = greedy.pass_under(self, &sequence, Fit::Smallest, cap) {
                 best = plan;
             }
         }
@@ -525,7 +526,7 @@ impl Problem {
                 return (best, spent);
             }
             spent += pass_cost;
-            let cap = best.arena_size;
+            let cap = Some(best.arena_size);
             if let Some(plan) = greedy.pass_under(self, sequences.get(order), Fit::Lowest, cap) {
                 best = plan;
             }
@@ -590,7 +591,7 @@ impl Problem {
             }
             // Strategies of one order share its sequence. A pass that reaches the best plan's
             // arena could not replace it: it is given up there.
-            let cap = best.as_ref().map_or(u64::MAX, |b| b.arena_size);
+            let cap = best.as_ref().map(|b| b.arena_size);
             tried += 1;
             if let Some(plan) = greedy.pass_under(self, sequences.get(order), fit, cap) {
                 best = Some(plan);
