@@ -35,12 +35,12 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicUsize, Ordering::Relaxed, Ordering::SeqCst};
 use std::sync::Arc;
 
-use crate::lock::ShardGuard;
 use parking_lot::RwLock;
 
 use crate::config::{roundup_interval, Config, Policy, ROUNDUP_INTERVALS};
 use crate::driver::{Driver, Event, Stream};
 use crate::error::{Error, Result};
+use crate::lock::ShardGuard;
 use events::EventPool;
 use graph::GraphPools;
 use history::Action;
