@@ -334,14 +334,8 @@ fn first_fit(
     let mut top = floor;
     let mut hole = None;
     while !heads.is_empty() {
-        let mut k = 0;
-        let mut lowest = heads[0];
-        for (j, &start) in heads.iter().enumerate().skip(1) {
-            if start < lowest {
-                lowest = start;
-                k = j;
-            }
-        }
+        let k = lowest(heads);
+        let lowest = heads[k];
         if lowest > top {
             let hole = *hole.get_or_insert(top);
             if lowest >= top + size {
@@ -360,6 +354,29 @@ fn first_fit(
         }
     }
     (top, hole.unwrap_or(top))
+}
+
+/// The index of the lowest of `heads` (not empty), or of any one of equal lowest ones: where
+/// several lists' next ranges start at the same byte, [`first_fit`] finds the same gap
+/// whichever it merges first. Two chains of minimums, one from each end, without branches:
+/// the lowest head is a different list's from one step of the merge to the next, so a branch
+/// on each comparison would be mispredicted often, and one chain would wait on each
+/// comparison in turn (on dense sharded graphs the merge compares 17 heads per step).
+#[inline(always)]
+fn lowest(heads: &[u64]) -> usize {
+    use std::hint::select_unpredictable as select;
+    let n = heads.len();
+    let (mut ka, mut a) = (0, heads[0]);
+    let (mut kb, mut b) = (n - 1, heads[n - 1]);
+    let mut j = 1;
+    while j + 1 < n {
+        let (x, y) = (heads[j], heads[j + 1]);
+        let (x_lower, y_lower) = (x < a, y < b);
+        (a, ka) = (select(x_lower, x, a), select(x_lower, j, ka));
+        (b, kb) = (select(y_lower, y, b), select(y_lower, j + 1, kb));
+        j += 2;
+    }
+    select(b < a, kb, ka)
 }
 
 /// Calls `visit` with each list that holds the byte ranges of placed allocations live at some
@@ -716,6 +733,31 @@ mod tests {
     use super::*;
     use crate::plan::offsets::splitmix;
     use proptest::prelude::*;
+
+    /// `lowest` names a lowest head for every number of heads a merge sees (odd and even
+    /// counts, both chains, the last head alone), with ties and without.
+    #[test]
+    fn lowest_names_a_lowest_head() {
+        let mut rng = 7u64;
+        for n in 1..=40 {
+            for round in 0..200 {
+                let heads: Vec<u64> = (0..n)
+                    .map(|_| {
+                        rng = splitmix(rng);
+                        // Few distinct values in half the rounds, so that ties are common.
+                        if round % 2 == 0 {
+                            rng % 4
+                        } else {
+                            rng
+                        }
+                    })
+                    .collect();
+                let k = lowest(&heads);
+                assert!(k < n, "{n} heads: index {k}");
+                assert_eq!(heads[k], *heads.iter().min().unwrap(), "{heads:?}");
+            }
+        }
+    }
 
     /// Which floors a test pass keeps, whatever the input's density.
     #[derive(Clone, Copy, Debug)]
