@@ -335,10 +335,10 @@ fn first_fit(
     let mut hole = None;
     while !heads.is_empty() {
         let k = lowest(heads);
-        let lowest = heads[k];
-        if lowest > top {
+        let start = heads[k];
+        if start > top {
             let hole = *hole.get_or_insert(top);
-            if lowest >= top + size {
+            if start >= top + size {
                 return (top, hole);
             }
         }
