@@ -23,8 +23,8 @@
 //! MindSpore's PanGu-13B lifetimes that skips about two thirds of the ranges merged; inputs
 //! whose allocations have few live neighbours, where merges are short, go without. On dense
 //! graphs every time step's busy bytes are full of holes that other steps fill, so no range
-//! of steps within a lifetime shows the union solid: a pass whose merges stay long also keeps
-//! floors per lifetime ([`LifetimeFloors`]), the lowest free byte each placement found for
+//! of steps within a lifetime shows the union solid: a pass whose merges grow long keeps floors
+//! per lifetime instead ([`LifetimeFloors`]), the lowest free byte each placement found for
 //! its own lifetime, and starts at the highest of those recorded within the allocation's.
 
 use super::{OffsetPlan, Problem};
@@ -64,10 +64,10 @@ pub(crate) struct Greedy {
     tiny: u64,
     /// Where the placed allocations leave no free byte below, per range of leaves: first fit
     /// starts there instead of at byte 0. Kept only on inputs whose allocations are each live
-    /// with many others ([`FLOOR_PAIRS`]).
+    /// with many others ([`FLOOR_PAIRS`]), until lifetime floors replace them.
     floors: Option<Floors>,
     /// Floors per lifetime ([`LifetimeFloors`]), made once first fit is seen to merge long
-    /// lists ([`LONG_MERGE`]).
+    /// lists ([`LONG_MERGE`]); from then on they replace `floors`.
     lifetime_floors: Option<LifetimeFloors>,
     /// Whether a pass may make [`LifetimeFloors`] when its merges are long.
     judge_merges: bool,
@@ -231,6 +231,7 @@ impl Greedy {
                 {
                     let spans = self.span.iter().copied().filter(|&(lo, hi)| lo < hi);
                     self.lifetime_floors = Some(LifetimeFloors::new(self.leaves, spans));
+                    self.floors = None;
                 }
                 offset
             }
@@ -535,11 +536,16 @@ const FLOOR_PAIRS: usize = 256;
 
 /// A pass keeps [`LifetimeFloors`] from the moment its first-fit placements (at least
 /// [`LONG_MERGE_AFTER`] of them) have merged this many ranges each on average, and so do the
-/// later passes over the same input. Looking up and raising them costs about a microsecond
-/// per placement, which pays where a merge reads hundreds of ranges (dense graphs of sharded
-/// models, `traces::sharded_graph`: 150–800), not where it reads a few dozen (synthetic
-/// transformer training traces of 60,000 allocations, where they doubled a pass's time).
-const LONG_MERGE: usize = 64;
+/// later passes over the same input; they replace [`Floors`], which then save less than they
+/// cost (dense graphs of sharded models, `traces::sharded_graph`: 5–8% of a pass). Looking up
+/// and raising them costs about a microsecond per placement, which pays where merges grow
+/// long as a pass goes on (dense graphs: an average of 30 ranges after 1,500 placements of
+/// 10,000, 130 by the end), not where they stay at a few to a dozen each (synthetic
+/// transformer training traces of 60,000 allocations, where they doubled a pass's time;
+/// MindSpore's lifetimes of BERT, PanGu and ResNet-50 average at most 20). On dense graphs of
+/// 5,000–10,000 allocations, taking them on at an average of 32 rather than 64 takes 10–20%
+/// off a pass.
+const LONG_MERGE: usize = 32;
 /// First-fit placements a pass makes before it judges its merges ([`LONG_MERGE`]).
 const LONG_MERGE_AFTER: usize = 256;
 
@@ -794,8 +800,10 @@ mod tests {
         by_size.sort_by_key(|&i| (std::cmp::Reverse(p.sizes[i as usize]), i));
         let mut greedy = Greedy::new(&p);
         assert!(greedy.lifetime_floors.is_none());
+        assert!(greedy.floors.is_some());
         let plan = greedy.pass(&p, &by_size, Fit::Lowest);
         assert!(greedy.lifetime_floors.is_some());
+        assert!(greedy.floors.is_none());
         assert!(greedy.merged >= LONG_MERGE * LONG_MERGE_AFTER);
         assert_eq!(plan, pass(&p, &by_size, Fit::Lowest, Kept::None));
     }
