@@ -538,13 +538,13 @@ const FLOOR_PAIRS: usize = 256;
 /// [`LONG_MERGE_AFTER`] of them) have merged this many ranges each on average, and so do the
 /// later passes over the same input; they replace [`Floors`], which then save less than they
 /// cost (dense graphs of sharded models, `traces::sharded_graph`: 5–8% of a pass). Looking up
-/// and raising them costs about a microsecond per placement, which pays where merges grow
-/// long as a pass goes on (dense graphs: an average of 30 ranges after 1,500 placements of
-/// 10,000, 130 by the end), not where they stay at a few to a dozen each (synthetic
+/// and raising them costs about a microsecond per placement, which pays where merges grow long
+/// as a pass goes on (dense graphs without them: an average of 30 ranges after 1,500 placements
+/// of 10,000, 130 by the end), not where they stay at a few to a dozen each (synthetic
 /// transformer training traces of 60,000 allocations, where they doubled a pass's time;
 /// MindSpore's lifetimes of BERT, PanGu and ResNet-50 average at most 20). On dense graphs of
-/// 5,000–10,000 allocations, taking them on at an average of 32 rather than 64 takes 10–20%
-/// off a pass.
+/// 5,000–10,000 allocations, taking them on at an average of 32 rather than 64 takes 10–20% off
+/// a pass.
 const LONG_MERGE: usize = 32;
 /// First-fit placements a pass makes before it judges its merges ([`LONG_MERGE`]).
 const LONG_MERGE_AFTER: usize = 256;
