@@ -26,6 +26,9 @@ use crate::lock::ShardMutex;
 /// Size classes: a block of `size` bytes is in class `floor(log2(size))`.
 pub(crate) const CLASSES: usize = usize::BITS as usize;
 
+/// Entries a free list's heap makes room for when first used (16 × 24 bytes).
+const HEAP_START: usize = 16;
+
 /// Counters kept per shard.
 pub(crate) const ALLOCATIONS: usize = 0;
 pub(crate) const ALLOCATED_BYTES: usize = 1;
@@ -217,16 +220,24 @@ impl FreeList {
     #[inline]
     fn push(&mut self, entry: Entry) {
         match self.lowest {
-            Some(lowest) if lowest < entry => self.rest.push(Reverse(entry)),
+            Some(lowest) if lowest < entry => self.push_rest(entry),
             Some(lowest) => {
-                self.rest.push(Reverse(lowest));
+                self.push_rest(lowest);
                 self.lowest = Some(entry);
             }
-            None if self.rest.peek().is_some_and(|r| r.0 < entry) => {
-                self.rest.push(Reverse(entry));
-            }
+            None if self.rest.peek().is_some_and(|r| r.0 < entry) => self.push_rest(entry),
             None => self.lowest = Some(entry),
         }
+    }
+
+    #[inline]
+    fn push_rest(&mut self, entry: Entry) {
+        if self.rest.capacity() == 0 {
+            // Room for several blocks at once, so that the first entries of different shards'
+            // heaps never share a cache line (small heap buffers sit next to each other).
+            self.rest.reserve(HEAP_START);
+        }
+        self.rest.push(Reverse(entry));
     }
 
     /// Removes the block `id`; false if the list does not hold it.
