@@ -6,8 +6,8 @@
 //! blocks, one list per size class ordered by address (the lowest kept apart from a min-heap
 //! of the others, [`FreeList`]), and the counters of the blocks it handed out. Shards are
 //! padded to separate cache lines, so threads that allocate and free on their own shards share
-//! no written memory. A shard's lock ([`crate::lock`], the device
-//! shards' too) costs one atomic operation to take and a plain store to release.
+//! no written memory. A shard's lock ([`crate::lock`], the device shards' too) costs one
+//! atomic operation to take and a plain store to release.
 //!
 //! Peaks of sharded counters stay exact with a reservation scheme: every shard has a limit
 //! per counter, the limits add up to the recorded peak, and a shard may grow a counter only
