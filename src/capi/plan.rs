@@ -118,7 +118,8 @@ unsafe fn plan_into(
 /// `tensoralloc_plan_offsets_ex` sets another budget and says whether the plan is proven
 /// optimal). In every greedy placement,
 /// tiny allocations (at most a 2^-20th of the lower bound) go after all the others, each in
-/// the lowest gap that holds it. Plans are deterministic: the same input gives the same plan
+/// the lowest gap that holds it, or on top of the allocations live with it when more than 64
+/// of their byte ranges lie between its lowest free byte and that gap. Plans are deterministic: the same input gives the same plan
 /// on any machine. For inputs of 4,096 or more nonzero allocations, `"default"` and `"exact"`
 /// make PyTorch's plan on a second thread while the greedy passes run (a few milliseconds;
 /// the thread is started and joined within the call), or on the calling thread when no other

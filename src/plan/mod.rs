@@ -85,7 +85,8 @@ pub enum Algorithm {
     /// allocations it is live with (Pisarchyk & Lee 2020; TFLite's arena planner). In every
     /// greedy order, tiny allocations (at most a 2^-20th of the lower bound: thousands of
     /// 4-byte ones in real models) come after all the others, each in the lowest gap that
-    /// holds it.
+    /// holds it, or on top of its neighbours when more than 64 busy ranges lie between its
+    /// lowest free byte and that gap.
     GreedyBySize,
     /// Time steps with the most live bytes first; within one, largest allocation first
     /// (Pisarchyk & Lee 2020, "greedy by breadth"), placed as in `GreedyBySize`.
