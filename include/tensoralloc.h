@@ -633,14 +633,13 @@ void tensoralloc_host_reset_accumulated_stats(void);
  * inputs), `"best"` (same as the default) or `"exact"` (a canonical search with a budget of
  * 10,000,000,000 work units, under half a minute on a current CPU;
  * `tensoralloc_plan_offsets_ex` sets another budget and says whether the plan is proven
- * optimal). In every greedy placement,
- * tiny allocations (at most a 2^-20th of the lower bound) go after all the others, each in
- * the lowest gap that holds it, or on top of the allocations live with it when more than 64
- * of their byte ranges lie between its lowest free byte and that gap. Plans are deterministic: the same input gives the same plan
- * on any machine. For inputs of 4,096 or more nonzero allocations, `"default"` and `"exact"`
- * make PyTorch's plan on a second thread while the greedy passes run (a few milliseconds;
- * the thread is started and joined within the call), or on the calling thread when no other
- * can be started.
+ * optimal). In every greedy placement, tiny allocations (at most a 2^-20th of the lower bound)
+ * go after all the others, each in the lowest gap that holds it, or on top of the allocations
+ * live with it when more than 64 of their byte ranges lie between its lowest free byte and
+ * that gap. Plans are deterministic: the same input gives the same plan on any machine. For
+ * inputs of 4,096 or more nonzero allocations, `"default"` and `"exact"` make PyTorch's plan
+ * on a second thread while the greedy passes run (a few milliseconds; the thread is started
+ * and joined within the call), or on the calling thread when no other can be started.
  *
  * On success writes `offsets[0..n]` (each a multiple of `alignment`) and `*arena_size` (the
  * largest offset + rounded size) and returns `TENSORALLOC_OK`. Returns

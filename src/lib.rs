@@ -21,3 +21,15 @@ pub mod replay;
 pub mod runtime;
 
 pub use error::{Error, Result};
+
+/// Helpers shared by the unit tests.
+#[cfg(test)]
+pub(crate) mod testing {
+    /// Advances a xorshift64 generator (`state` nonzero, and never zero after): a fixed,
+    /// cheap sequence for tests that check a structure against a model over random steps.
+    pub(crate) fn xorshift(state: &mut u64) {
+        *state ^= *state << 13;
+        *state ^= *state >> 7;
+        *state ^= *state << 17;
+    }
+}

@@ -533,6 +533,7 @@ impl Ordered {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testing::xorshift;
 
     #[test]
     fn the_index_agrees_with_a_btree_through_promotion_and_demotion() {
@@ -540,9 +541,7 @@ mod tests {
         let mut model = BTreeSet::new();
         let mut x = 0x2545_f491_4f6c_dd1du64;
         for step in 0..20_000u32 {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
+            xorshift(&mut x);
             // Grow for a while, then shrink, so both representations are exercised.
             let grow = (step / 2000) % 2 == 0;
             let key = (

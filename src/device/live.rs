@@ -158,6 +158,7 @@ impl LiveTable {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testing::xorshift;
     use std::collections::HashMap;
 
     #[test]
@@ -166,9 +167,7 @@ mod tests {
         let mut model = HashMap::new();
         let mut x = 0x9e37_79b9_7f4a_7c15u64;
         for step in 0..200_000u32 {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
+            xorshift(&mut x);
             // Few distinct addresses, so that runs collide, wrap and shift back; 0 included.
             let addr = ((x >> 20) % 3000) as usize * 512;
             // Grow past several capacities, then shrink.

@@ -349,6 +349,7 @@ pub(crate) fn shard_count() -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testing::xorshift;
 
     fn block(address: usize, size: usize, id: u32) -> FreeBlock {
         FreeBlock { address, size, id }
@@ -424,9 +425,7 @@ mod tests {
         let mut model = BTreeSet::new();
         let mut x = 0x2545_f491_4f6c_dd1du64;
         for step in 0..20_000u64 {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
+            xorshift(&mut x);
             match x % 5 {
                 0 | 1 => {
                     // Distinct addresses: the step number in the low bits.

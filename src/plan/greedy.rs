@@ -804,25 +804,17 @@ mod tests {
             pick in 0usize..40,
             floor_share in 0u64..=100,
         ) {
-            // Each list the union of its own ranges, as a node's list holds it.
-            let mut pool: Vec<(u64, u64)> = Vec::new();
-            let mut runs = Vec::new();
-            for list in &lists {
-                let mut ranges: Vec<(u64, u64)> = list.iter().map(|&(s, l)| (s, s + l)).collect();
-                ranges.sort_unstable();
-                let mut union: Vec<(u64, u64)> = Vec::new();
-                for (s, e) in ranges {
-                    match union.last_mut() {
-                        Some(last) if s <= last.1 => last.1 = last.1.max(e),
-                        _ => union.push((s, e)),
-                    }
-                }
-                if !union.is_empty() {
-                    runs.push((pool.len(), pool.len() + union.len()));
-                    pool.extend(union);
+            // Each list the union of its own ranges, held as a pass holds a node's.
+            let mut held = Lists::new(lists.len());
+            held.clear();
+            for (k, list) in lists.iter().enumerate() {
+                for &(start, len) in list {
+                    held.add(k, (start, start + len));
                 }
             }
-            let mut all = pool.clone();
+            let runs: Vec<_> = (0..lists.len()).filter_map(|k| held.range(k)).collect();
+            let mut all: Vec<(u64, u64)> =
+                (0..lists.len()).flat_map(|k| held.get(k).iter().copied()).collect();
             all.sort_unstable();
             let union_top = all.iter().map(|&(_, e)| e).max().unwrap_or(0);
             // The lowest free byte, and the lowest gap of `size` bytes, by a plain scan.
@@ -847,8 +839,9 @@ mod tests {
             let floor = hole * floor_share / 100;
             let mut heads = Vec::new();
             let mut merged = 0;
+            let pool = &held.pool;
             let mut fit = |limit| {
-                first_fit(&pool, &mut runs.clone(), &mut heads, size, floor, limit, &mut merged)
+                first_fit(pool, &mut runs.clone(), &mut heads, size, floor, limit, &mut merged)
             };
             prop_assert_eq!(fit(usize::MAX), (gap, hole));
             let limited = fit(limit);
