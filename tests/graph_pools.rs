@@ -346,3 +346,77 @@ fn the_simulated_driver_invalidates_a_capture_on_an_event_query() {
         "{e}"
     );
 }
+
+/// Threads begin, end and release two pools (a pool may be released before it ends), allocate,
+/// free and empty the cache at once, in any order. Once every pool is ended and released and
+/// every block freed, the device holds nothing and no pool remains: a pool released while it
+/// is still being allocated to is not forgotten with shards of it left holding memory.
+#[test]
+fn pools_begun_released_and_ended_by_racing_threads_leave_nothing_behind() {
+    let (_sim, a) = alloc(1 << 34);
+    let a = Arc::new(a);
+    let pools = [POOL, OTHER_POOL];
+    let start = Arc::new(std::sync::Barrier::new(4));
+    let threads: Vec<_> = (0..4u64)
+        .map(|t| {
+            let (a, start) = (a.clone(), start.clone());
+            let stream = unique_stream();
+            std::thread::spawn(move || {
+                start.wait();
+                let mut r = (t + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+                let mut live = Vec::new();
+                for _ in 0..20_000 {
+                    r ^= r << 13;
+                    r ^= r >> 7;
+                    r ^= r << 17;
+                    let pool = pools[(r >> 8) as usize % 2];
+                    match r % 8 {
+                        0 => a.begin_allocate_to_pool(pool, None).unwrap(),
+                        1 => drop(a.end_allocate_to_pool(pool)),
+                        2 => drop(a.release_pool(pool)),
+                        3 => a.empty_cache().unwrap(),
+                        4 | 5 => live.push(
+                            a.malloc(((r >> 20) as usize % 4 + 1) * MIB, stream)
+                                .unwrap(),
+                        ),
+                        _ => {
+                            if let Some(p) = live.pop() {
+                                a.free(p, None).unwrap();
+                            }
+                        }
+                    }
+                }
+                for p in live {
+                    a.free(p, None).unwrap();
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    for pool in pools {
+        while a.end_allocate_to_pool(pool).is_ok() {}
+        while a.release_pool(pool).is_ok() {}
+    }
+    a.empty_cache().unwrap();
+    assert_eq!(a.stats().allocated_bytes[0].current, 0);
+    assert_eq!(reserved(&a), 0, "segments left behind");
+    assert_eq!(a.pool_count(), 0);
+}
+
+#[test]
+fn a_pool_that_never_allocated_is_forgotten_when_released() {
+    let (_sim, a) = alloc(256 * MIB);
+    a.begin_allocate_to_pool(POOL, None).unwrap();
+    // Released before its end: it stays while it is being allocated to.
+    a.release_pool(POOL).unwrap();
+    assert_eq!(a.pool_count(), 1);
+    a.end_allocate_to_pool(POOL).unwrap();
+    a.empty_cache().unwrap();
+    assert_eq!(a.pool_count(), 0);
+    a.begin_allocate_to_pool(OTHER_POOL, None).unwrap();
+    a.end_allocate_to_pool(OTHER_POOL).unwrap();
+    a.release_pool(OTHER_POOL).unwrap();
+    assert_eq!(a.pool_count(), 0);
+}

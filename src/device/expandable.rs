@@ -720,10 +720,13 @@ impl ShardInner {
         Ok(())
     }
 
-    /// Returns the address space of ranges with nothing mapped to the driver. Returns the
-    /// ranges released.
-    pub fn free_empty_ranges(&mut self, driver: &dyn Driver, device: usize) -> Result<Vec<usize>> {
-        let mut released = Vec::new();
+    /// Returns the address space of ranges with nothing mapped to the driver, each through
+    /// `free_range(base, size)`. On its first error the range stays as it was, and the error
+    /// is returned.
+    pub fn free_empty_ranges(
+        &mut self,
+        mut free_range: impl FnMut(usize, usize) -> Result<()>,
+    ) -> Result<()> {
         for i in 0..self.exp.segments.len() {
             let seg = &self.exp.segments[i];
             if !seg.live || seg.mapped != 0 {
@@ -733,12 +736,14 @@ impl ShardInner {
             let Some(id) = self.unmapped_index(pool).remove(&base) else {
                 continue;
             };
-            driver.vmm_free_range(device, base, size)?;
+            if let Err(e) = free_range(base, size) {
+                self.unmapped_index(pool).insert(base, id);
+                return Err(e);
+            }
             self.drop_block(id);
             self.exp.segments[i].live = false;
-            released.push(base);
         }
-        Ok(released)
+        Ok(())
     }
 
     /// Unmaps everything and returns every range (when the allocator goes away).

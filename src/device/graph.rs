@@ -74,6 +74,7 @@ struct PoolState {
     next_key: usize,
 }
 
+#[derive(Default)]
 struct PrivatePool {
     uses: usize,
     /// The pool's shard for each stream that allocated from it.
@@ -142,13 +143,7 @@ impl DeviceAllocator {
     pub fn begin_allocate_to_pool(&self, pool: PoolId, filter: Option<StreamFilter>) -> Result<()> {
         check_id(pool)?;
         let mut st = self.graph.state.lock();
-        st.pools
-            .entry(pool)
-            .or_insert_with(|| PrivatePool {
-                uses: 0,
-                shards: HashMap::new(),
-            })
-            .uses += 1;
+        st.pools.entry(pool).or_default().uses += 1;
         st.underway.push((pool, filter));
         self.graph.flags.fetch_add(1, Relaxed);
         Ok(())
@@ -206,9 +201,11 @@ impl DeviceAllocator {
         self.release_unused_pools()
     }
 
-    /// The shard an allocation on `stream` comes from while pools are active: the private
-    /// shard of the first active pool that accepts `stream`, else the stream's own.
-    pub(super) fn shard_for_pools(&self, stream: Stream) -> Result<&Shard> {
+    /// The shard an allocation on `stream` comes from while pools are active, with its pool:
+    /// the private shard of the first active pool that accepts `stream`, else the stream's
+    /// own (and no pool). The pool may be released and its shard retired before the caller
+    /// locks the shard: [`DeviceAllocator::moved`] tells.
+    pub(super) fn shard_for_pools(&self, stream: Stream) -> Result<(&Shard, Option<PoolId>)> {
         let mut st = self.graph.state.lock();
         let chosen = st
             .underway
@@ -217,11 +214,11 @@ impl DeviceAllocator {
             .map(|(id, _)| *id);
         let Some(pool) = chosen else {
             drop(st);
-            return self.shard(stream);
+            return Ok((self.shard(stream)?, None));
         };
         if let Some(&index) = st.pools.get(&pool).and_then(|p| p.shards.get(&stream)) {
             if let Some(shard) = self.shards.by_index(index) {
-                return Ok(shard);
+                return Ok((shard, Some(pool)));
             }
         }
         let reused = st.retired.get_mut(&stream).and_then(Vec::pop);
@@ -246,10 +243,21 @@ impl DeviceAllocator {
             }
         };
         st.owner.insert(shard.index, pool);
-        if let Some(p) = st.pools.get_mut(&pool) {
-            p.shards.insert(stream, shard.index);
-        }
-        Ok(shard)
+        // An active pool exists (begun, and not forgotten while active), so its shard is
+        // found again by the release of the pool.
+        let p = st.pools.entry(pool).or_default();
+        p.shards.insert(stream, shard.index);
+        Ok((shard, Some(pool)))
+    }
+
+    /// Whether `shard`, chosen for an allocation on `stream` from `pool` and now locked by the
+    /// caller, serves something else: another stream (a stream's shard taken over, [`table`])
+    /// or no longer that pool (a private shard retired once its pool was released).
+    ///
+    /// [`table`]: super::table
+    #[inline(always)]
+    pub(super) fn moved(&self, shard: &Shard, stream: Stream, pool: Option<PoolId>) -> bool {
+        shard.stream() != stream || (shard.private && self.graph.owner(shard.index) != pool)
     }
 
     /// Whether nothing may touch events or free memory now on behalf of `stream`: a pool is
@@ -323,7 +331,7 @@ impl DeviceAllocator {
             );
         }
         if segments_of(shard) == 0 {
-            self.retire_if_empty(shard.index);
+            self.retire_if_empty(shard);
         }
     }
 
@@ -351,26 +359,35 @@ impl DeviceAllocator {
             };
             let mut inner = shard.inner.lock();
             self.release_shard(shard, &mut inner)?;
-            let empty = segments_of(shard) == 0;
-            drop(inner);
-            if empty {
-                self.retire_if_empty(index);
+            if segments_of(shard) == 0 {
+                self.retire_if_empty(shard);
             }
         }
+        // Pools that never allocated have no shard to retire.
+        let mut st = self.graph.state.lock();
+        let PoolState {
+            pools, underway, ..
+        } = &mut *st;
+        pools.retain(|id, p| {
+            p.uses > 0 || !p.shards.is_empty() || underway.iter().any(|u| u.0 == *id)
+        });
         Ok(())
     }
 
-    /// Retires private shard `index` if it holds no segment; forgets its pool when the pool
-    /// has no use and no shard left.
-    fn retire_if_empty(&self, index: u32) {
-        let Some(shard) = self.shards.by_index(index) else {
-            return;
-        };
+    /// Retires private shard `shard` (whose lock the caller holds, so no allocation goes on in
+    /// it meanwhile) if it holds no segment; forgets its pool when the pool has no use and no
+    /// shard left. An allocation that chose the shard before and locks it after sees that it
+    /// moved ([`DeviceAllocator::moved`]), so a retired shard never holds memory.
+    fn retire_if_empty(&self, shard: &Shard) {
+        let index = shard.index;
         let mut st = self.graph.state.lock();
         let Some(pool) = st.owner.get(&index).copied() else {
             return;
         };
-        if st.pools.get(&pool).is_none_or(|p| p.uses > 0) || segments_of(shard) != 0 {
+        // A pool being allocated to keeps its shards even without uses (released before its
+        // end), so that it exists for as long as an allocation can choose it.
+        let underway = st.underway.iter().any(|(id, _)| *id == pool);
+        if underway || st.pools.get(&pool).is_none_or(|p| p.uses > 0) || segments_of(shard) != 0 {
             return;
         }
         st.owner.remove(&index);

@@ -454,8 +454,8 @@ impl DeviceAllocator {
         }
         let rounded = round_size_with(size, self.roundup_divisions[roundup_interval(size)]);
         let pool = PoolKind::for_size(rounded);
-        let shard = if self.graph.flags() == 0 {
-            self.shard(stream)?
+        let (shard, pool_id) = if self.graph.flags() == 0 {
+            (self.shard(stream)?, None)
         } else {
             self.flush_deferred()?;
             self.shard_for_pools(stream)?
@@ -465,8 +465,8 @@ impl DeviceAllocator {
         let mut may_lend = self.policy == Policy::Compact && !shard.private;
         let collecting = self.gc_note_request(pool);
         let mut first = shard.inner.lock_memo();
-        if shard.stream() != stream {
-            // The shard moved to another stream after the lookup ([`table`]).
+        if self.moved(shard, stream, pool_id) {
+            // The shard moved to another stream or pool after the lookup.
             drop(first);
             return self.malloc(size, stream);
         }
@@ -494,9 +494,9 @@ impl DeviceAllocator {
                 Some(inner) => inner,
                 None => {
                     let inner = shard.inner.lock();
-                    if shard.stream() != stream {
-                        // The shard moved to another stream while it was unlocked: it held
-                        // nothing then, so this allocation starts again.
+                    if self.moved(shard, stream, pool_id) {
+                        // The shard moved while it was unlocked: it held nothing then, so
+                        // this allocation starts again.
                         drop(inner);
                         return self.malloc(size, stream);
                     }
@@ -955,13 +955,32 @@ impl DeviceAllocator {
     /// Returns the whole free segment `id` of `shard` to the driver; returns its size.
     fn free_segment(&self, shard: &Shard, inner: &mut ShardInner, id: u32) -> Result<usize> {
         let (addr, size) = (inner.block(id).addr, inner.block(id).size);
-        self.driver.mem_free(self.device, addr)?;
+        self.unlisted_while(addr, size, shard, || {
+            self.driver.mem_free(self.device, addr)
+        })?;
         self.gc_forget(addr);
         inner.remove_segment(id, self.max_split_size, &mut self.op_sink(shard));
-        self.segments.write().remove(&addr);
         DeviceCounters::bump(&self.counters.num_device_free);
         self.note(Action::SegmentFree, addr, size, shard.stream());
         Ok(size)
+    }
+
+    /// Returns the segment of `size` bytes at `addr` of `shard` (whose lock the caller holds)
+    /// to the driver with `give_back`, taking it out of the segment map first: once the driver
+    /// has it back, another stream may get the same addresses and list them as its own, and
+    /// that entry must not be the one removed (its allocations could then never be freed). The
+    /// entry comes back if the driver refuses.
+    fn unlisted_while(
+        &self,
+        addr: usize,
+        size: usize,
+        shard: &Shard,
+        give_back: impl FnOnce() -> Result<()>,
+    ) -> Result<()> {
+        self.segments.write().remove(&addr);
+        give_back().inspect_err(|_| {
+            self.segments.write().insert(addr, (size, shard.index));
+        })
     }
 
     /// Waits for outstanding events and returns every unused cached segment to the driver,

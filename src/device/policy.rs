@@ -295,9 +295,11 @@ impl DeviceAllocator {
         );
         self.count(shard, &report);
         unmapped?;
-        for base in inner.free_empty_ranges(&*self.driver, self.device)? {
-            self.segments.write().remove(&base);
-        }
+        inner.free_empty_ranges(|base, size| {
+            self.unlisted_while(base, size, shard, || {
+                self.driver.vmm_free_range(self.device, base, size)
+            })
+        })?;
         Ok(report.bytes)
     }
 
