@@ -257,7 +257,14 @@ impl DeviceAllocator {
     /// [`table`]: super::table
     #[inline(always)]
     pub(super) fn moved(&self, shard: &Shard, stream: Stream, pool: Option<PoolId>) -> bool {
-        shard.stream() != stream || (shard.private && self.graph.owner(shard.index) != pool)
+        shard.stream() != stream || pool.is_some_and(|pool| self.left_pool(shard, pool))
+    }
+
+    /// Whether private shard `shard` no longer belongs to `pool` ([`DeviceAllocator::moved`]).
+    #[cold]
+    #[inline(never)]
+    fn left_pool(&self, shard: &Shard, pool: PoolId) -> bool {
+        self.graph.owner(shard.index) != Some(pool)
     }
 
     /// Whether nothing may touch events or free memory now on behalf of `stream`: a pool is
