@@ -74,6 +74,13 @@ struct PoolState {
     next_key: usize,
 }
 
+impl PoolState {
+    /// Whether allocation to `pool` is underway (begun and not ended).
+    fn is_underway(&self, pool: PoolId) -> bool {
+        self.underway.iter().any(|(id, _)| *id == pool)
+    }
+}
+
 #[derive(Default)]
 struct PrivatePool {
     uses: usize,
@@ -372,12 +379,15 @@ impl DeviceAllocator {
         }
         // Pools that never allocated have no shard to retire.
         let mut st = self.graph.state.lock();
-        let PoolState {
-            pools, underway, ..
-        } = &mut *st;
-        pools.retain(|id, p| {
-            p.uses > 0 || !p.shards.is_empty() || underway.iter().any(|u| u.0 == *id)
-        });
+        let gone: Vec<PoolId> = st
+            .pools
+            .iter()
+            .filter(|(&id, p)| p.uses == 0 && p.shards.is_empty() && !st.is_underway(id))
+            .map(|(&id, _)| id)
+            .collect();
+        for id in gone {
+            st.pools.remove(&id);
+        }
         Ok(())
     }
 
@@ -393,8 +403,10 @@ impl DeviceAllocator {
         };
         // A pool being allocated to keeps its shards even without uses (released before its
         // end), so that it exists for as long as an allocation can choose it.
-        let underway = st.underway.iter().any(|(id, _)| *id == pool);
-        if underway || st.pools.get(&pool).is_none_or(|p| p.uses > 0) || segments_of(shard) != 0 {
+        if st.is_underway(pool)
+            || st.pools.get(&pool).is_none_or(|p| p.uses > 0)
+            || segments_of(shard) != 0
+        {
             return;
         }
         st.owner.remove(&index);
