@@ -341,9 +341,16 @@ fn first_fit(
     merged: &mut usize,
 ) -> (u64, u64) {
     if floor > 0 {
+        // A list whose last range ends at the floor has nothing above it; one whose first
+        // range reaches above it starts there.
         runs.retain_mut(|(at, end)| {
-            *at += pool[*at..*end].partition_point(|&(_, e)| e <= floor);
-            *at < *end
+            if pool[*end - 1].1 <= floor {
+                return false;
+            }
+            if pool[*at].1 <= floor {
+                *at += pool[*at..*end].partition_point(|&(_, e)| e <= floor);
+            }
+            true
         });
     }
     // The start of each list's next range, side by side: finding the lowest is a scan of
