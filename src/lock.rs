@@ -16,7 +16,9 @@
 //! stores *free*: a waiter that marks the lock between that read and that store is not woken,
 //! which is why every sleep is capped at [`NAP`]. Such a waiter looks again at the latest when
 //! its nap ends, so the race costs at most one nap, and only to a waiter that arrived within
-//! nanoseconds of an unlock.
+//! nanoseconds of an unlock. A thread that unlocks and at once locks again would win nearly
+//! every time against a sleeper that must first wake up, so an unlock now and then hands the
+//! lock to the sleeper it wakes instead of freeing it (eventual fairness).
 
 use std::sync::atomic::{
     AtomicU8,
@@ -25,12 +27,17 @@ use std::sync::atomic::{
 use std::time::{Duration, Instant};
 
 use lock_api::RawMutex as _;
-use parking_lot_core::{SpinWait, DEFAULT_PARK_TOKEN, DEFAULT_UNPARK_TOKEN};
+use parking_lot_core::{
+    ParkResult, SpinWait, UnparkToken, DEFAULT_PARK_TOKEN, DEFAULT_UNPARK_TOKEN,
+};
 
 const FREE: u8 = 0;
 const LOCKED: u8 = 1;
 /// Locked, and other threads may sleep waiting for it.
 const CONTENDED: u8 = 2;
+
+/// Passed to a sleeper woken by an unlock that left it the lock ([`RawShardLock::unlock`]).
+const HANDED_OVER: UnparkToken = UnparkToken(1);
 
 /// The longest a waiter sleeps before it looks at the lock again (see the module
 /// documentation).
@@ -47,9 +54,11 @@ pub(crate) type ShardMutex<T> = lock_api::Mutex<RawShardLock, T>;
 pub(crate) type ShardGuard<'a, T> = lock_api::MutexGuard<'a, RawShardLock, T>;
 
 // SAFETY: a thread holds the lock only after changing the state from free to locked or
-// contended with Acquire ordering (a compare-and-swap or a swap that saw free), so one thread
-// holds it at a time; every unlock stores free with Release ordering, so the holder's writes
-// are seen by the next one.
+// contended with Acquire ordering (a compare-and-swap or a swap that saw free), or when an
+// unlock that left the state locked handed it over (the woken thread is the one holder, and
+// `parking_lot_core`'s queue lock orders the two threads), so one thread holds it at a time;
+// every other unlock stores free with Release ordering, so the holder's writes are seen by
+// the next one.
 unsafe impl lock_api::RawMutex for RawShardLock {
     #[allow(clippy::declare_interior_mutable_const)]
     const INIT: RawShardLock = RawShardLock {
@@ -132,7 +141,7 @@ impl RawShardLock {
             // SAFETY: the key is this lock's address, unique to it while it lives (a thread
             // sleeps only inside this call, which borrows the lock); the callbacks neither
             // panic nor call into `parking_lot_core`.
-            unsafe {
+            let woken = unsafe {
                 parking_lot_core::park(
                     self.key(),
                     || self.state.load(Relaxed) == CONTENDED,
@@ -140,19 +149,32 @@ impl RawShardLock {
                     |_, _| {},
                     DEFAULT_PARK_TOKEN,
                     Some(wake),
-                );
+                )
+            };
+            if woken == ParkResult::Unparked(HANDED_OVER) {
+                return true;
             }
         }
     }
 
-    /// Unlocks a lock that others may wait for, and wakes one of them.
+    /// Unlocks a lock that others may wait for, and wakes one of them. Now and then (when
+    /// `parking_lot_core` says a sleeper has waited long enough, about every half
+    /// millisecond) the lock passes to the woken thread without being freed, so that a thread
+    /// that unlocks and locks again at once cannot keep a sleeper out for long.
     #[cold]
     #[inline(never)]
     fn unlock_contended(&self) {
-        self.state.store(FREE, Release);
-        // SAFETY: as in `wait`; the callback does nothing.
+        // SAFETY: as in `wait`; the callback only stores the state.
         unsafe {
-            parking_lot_core::unpark_one(self.key(), |_| DEFAULT_UNPARK_TOKEN);
+            parking_lot_core::unpark_one(self.key(), |result| {
+                if result.unparked_threads != 0 && result.be_fair {
+                    // Still locked, and contended as every lock taken after sleeping is.
+                    HANDED_OVER
+                } else {
+                    self.state.store(FREE, Release);
+                    DEFAULT_UNPARK_TOKEN
+                }
+            });
         }
     }
 
@@ -204,6 +226,42 @@ mod tests {
         }
         assert_eq!(*counter.lock(), THREADS * ROUNDS);
         assert!(!counter.is_locked());
+    }
+
+    #[test]
+    fn a_sleeper_is_not_kept_out_by_a_thread_that_locks_again_at_once() {
+        // One thread unlocks and locks again in a tight loop for up to 5 s; another takes the
+        // lock 1,000 times, each after sleeping in the queue. Without hand-overs, each of those
+        // waits until it happens to win a race that the looping thread nearly always wins.
+        const TAKES: usize = 1000;
+        // Work of the looping thread, and takes of the other.
+        let m = Arc::new(ShardMutex::new((0u64, 0usize)));
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let hammer = {
+            let (m, stop) = (m.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let end = Instant::now() + Duration::from_secs(5);
+                while !stop.load(Relaxed) && Instant::now() < end {
+                    let mut held = m.lock();
+                    // A hold long enough that a waiter stops spinning and sleeps.
+                    let start = Instant::now();
+                    while start.elapsed() < Duration::from_micros(20) {
+                        held.0 += 1;
+                    }
+                    drop(held);
+                }
+                !stop.load(Relaxed)
+            })
+        };
+        for _ in 0..TAKES {
+            m.lock().1 += 1;
+            // Let the looping thread take the lock back before the next try.
+            std::thread::sleep(Duration::from_micros(100));
+        }
+        stop.store(true, Relaxed);
+        let timed_out = hammer.join().unwrap();
+        assert!(!timed_out, "{TAKES} takes did not finish within 5 s");
+        assert_eq!(m.lock().1, TAKES);
     }
 
     #[test]
