@@ -11,25 +11,29 @@ use std::time::Duration;
 use tensoralloc::config::Config;
 use tensoralloc::device::DeviceAllocator;
 use tensoralloc::driver::sim::SimDriver;
-use tensoralloc::driver::{Driver, Event, MemInfo, Stream};
-use tensoralloc::Result;
+use tensoralloc::driver::Stream;
+
+#[path = "support/hooked.rs"]
+mod hooked;
+
+use hooked::{Call, Hook, Hooked};
 
 const MIB: usize = 1 << 20;
 const STREAM_A: Stream = 0x5e9_0a00;
 const STREAM_B: Stream = 0x5e9_0b00;
 
-/// Forwards to the simulated driver; after the driver frees the address in `reuse_at`, has
+/// A hook on the simulated driver: after the driver frees the address in `reuse_at`, has
 /// another thread allocate `reuse_size` bytes on stream B and keeps what it got in `reused`.
 struct Reusing {
-    inner: Arc<SimDriver>,
     alloc: OnceLock<Arc<DeviceAllocator>>,
     reuse_at: AtomicUsize,
     reuse_size: usize,
     reused: Mutex<Option<usize>>,
 }
 
-impl Reusing {
-    fn after_free(&self, ptr: usize) {
+impl Hook for Reusing {
+    fn after(&self, call: Call) {
+        let Call::MemFree { ptr } = call else { return };
         let armed = self
             .reuse_at
             .compare_exchange(ptr, 0, Ordering::AcqRel, Ordering::Acquire);
@@ -49,67 +53,19 @@ impl Reusing {
     }
 }
 
-impl Driver for Reusing {
-    fn name(&self) -> &'static str {
-        "reusing"
-    }
-    fn device_count(&self) -> Result<usize> {
-        self.inner.device_count()
-    }
-    fn mem_alloc(&self, device: usize, size: usize) -> Result<usize> {
-        self.inner.mem_alloc(device, size)
-    }
-    fn mem_free(&self, device: usize, ptr: usize) -> Result<()> {
-        self.inner.mem_free(device, ptr)?;
-        self.after_free(ptr);
-        Ok(())
-    }
-    fn mem_info(&self, device: usize) -> Result<MemInfo> {
-        self.inner.mem_info(device)
-    }
-    fn event_create(&self, device: usize) -> Result<Event> {
-        self.inner.event_create(device)
-    }
-    fn event_destroy(&self, device: usize, event: Event) -> Result<()> {
-        self.inner.event_destroy(device, event)
-    }
-    fn event_record(&self, device: usize, event: Event, stream: Stream) -> Result<()> {
-        self.inner.event_record(device, event, stream)
-    }
-    fn event_query(&self, device: usize, event: Event) -> Result<bool> {
-        self.inner.event_query(device, event)
-    }
-    fn event_synchronize(&self, device: usize, event: Event) -> Result<()> {
-        self.inner.event_synchronize(device, event)
-    }
-    fn stream_device(&self, stream: Stream) -> Result<usize> {
-        self.inner.stream_device(stream)
-    }
-    fn host_alloc(&self, size: usize) -> Result<usize> {
-        self.inner.host_alloc(size)
-    }
-    fn host_free(&self, ptr: usize) -> Result<()> {
-        self.inner.host_free(ptr)
-    }
-    fn host_register(&self, ptr: usize, size: usize) -> Result<()> {
-        self.inner.host_register(ptr, size)
-    }
-    fn host_unregister(&self, ptr: usize) -> Result<()> {
-        self.inner.host_unregister(ptr)
-    }
-}
-
 #[test]
 fn a_segment_another_stream_gets_back_at_once_stays_freeable() {
-    let driver = Arc::new(Reusing {
-        inner: SimDriver::shared(1, (1 << 30) as u64).unwrap(),
-        alloc: OnceLock::new(),
-        reuse_at: AtomicUsize::new(0),
-        reuse_size: 20 * MIB,
-        reused: Mutex::new(None),
+    let driver = Arc::new(Hooked {
+        sim: SimDriver::shared(1, (1 << 30) as u64).unwrap(),
+        hook: Reusing {
+            alloc: OnceLock::new(),
+            reuse_at: AtomicUsize::new(0),
+            reuse_size: 20 * MIB,
+            reused: Mutex::new(None),
+        },
     });
     let a = Arc::new(DeviceAllocator::new(driver.clone(), 0, &Config::default()).unwrap());
-    assert!(driver.alloc.set(a.clone()).is_ok());
+    assert!(driver.hook.alloc.set(a.clone()).is_ok());
     // Stream B's shard comes first (the cache is emptied in shard order) and once held what it
     // gets back below, so it allocates there without settling peaks against stream A's shard,
     // whose lock the freeing thread holds.
@@ -118,10 +74,11 @@ fn a_segment_another_stream_gets_back_at_once_stays_freeable() {
     let b = a.malloc(20 * MIB, STREAM_B).unwrap();
     a.free(p, Some(STREAM_A)).unwrap();
     a.free(b, Some(STREAM_B)).unwrap();
-    driver.reuse_at.store(p, Ordering::Release);
+    driver.hook.reuse_at.store(p, Ordering::Release);
     a.empty_cache().unwrap();
 
     let q = driver
+        .hook
         .reused
         .lock()
         .unwrap()

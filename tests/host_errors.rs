@@ -1,14 +1,18 @@
 //! Bad input to the pinned-host allocator: double frees, unknown and interior pointers, wrong
 //! contexts, and driver failures. Each is reported and leaves the allocator intact.
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use tensoralloc::config::Config;
 use tensoralloc::driver::sim::SimDriver;
-use tensoralloc::driver::{Driver, Event, MemInfo, Stream};
 use tensoralloc::host::HostAllocator;
 use tensoralloc::{Error, Result};
+
+#[path = "support/hooked.rs"]
+mod hooked;
+
+use hooked::{Call, Hook, Hooked};
 
 fn setup() -> (Arc<SimDriver>, HostAllocator) {
     let sim = SimDriver::shared(1, 1 << 30).unwrap();
@@ -86,90 +90,52 @@ fn free_with_another_blocks_context_frees_the_block_at_the_address() {
     host.free(b.ptr, Some(b.ctx)).unwrap();
 }
 
-/// A driver whose pinning and event recording can be made to fail.
+/// A hook on the simulated driver that can make pinning and event recording fail.
 struct Flaky {
-    inner: Arc<SimDriver>,
-    fail_pin: std::sync::atomic::AtomicBool,
-    fail_record: std::sync::atomic::AtomicBool,
+    fail_pin: AtomicBool,
+    fail_record: AtomicBool,
     /// Registrations allowed before they start failing.
-    registrations_left: std::sync::atomic::AtomicU64,
+    registrations_left: AtomicU64,
 }
 
-impl Driver for Flaky {
-    fn name(&self) -> &'static str {
-        "flaky"
-    }
-    fn device_count(&self) -> Result<usize> {
-        self.inner.device_count()
-    }
-    fn mem_alloc(&self, device: usize, size: usize) -> Result<usize> {
-        self.inner.mem_alloc(device, size)
-    }
-    fn mem_free(&self, device: usize, ptr: usize) -> Result<()> {
-        self.inner.mem_free(device, ptr)
-    }
-    fn mem_info(&self, device: usize) -> Result<MemInfo> {
-        self.inner.mem_info(device)
-    }
-    fn event_create(&self, device: usize) -> Result<Event> {
-        self.inner.event_create(device)
-    }
-    fn event_destroy(&self, device: usize, event: Event) -> Result<()> {
-        self.inner.event_destroy(device, event)
-    }
-    fn event_record(&self, device: usize, event: Event, stream: Stream) -> Result<()> {
-        if self.fail_record.load(Ordering::Relaxed) {
-            return Err(Error::Driver(
-                "CUDA_ERROR_INVALID_HANDLE: bad stream".into(),
-            ));
+impl Hook for Flaky {
+    fn before(&self, call: Call) -> Result<()> {
+        match call {
+            Call::EventRecord { .. } if self.fail_record.load(Ordering::Relaxed) => Err(
+                Error::Driver("CUDA_ERROR_INVALID_HANDLE: bad stream".into()),
+            ),
+            Call::HostAlloc { .. } if self.fail_pin.load(Ordering::Relaxed) => {
+                Err(Error::OutOfMemory("no pinned memory left".into()))
+            }
+            Call::HostRegister { .. } => {
+                let left = self.registrations_left.load(Ordering::Relaxed);
+                if left == 0 {
+                    return Err(Error::Driver(
+                        "CUDA_ERROR_OUT_OF_MEMORY: cannot lock pages".into(),
+                    ));
+                }
+                self.registrations_left.store(left - 1, Ordering::Relaxed);
+                Ok(())
+            }
+            _ => Ok(()),
         }
-        self.inner.event_record(device, event, stream)
-    }
-    fn event_query(&self, device: usize, event: Event) -> Result<bool> {
-        self.inner.event_query(device, event)
-    }
-    fn event_synchronize(&self, device: usize, event: Event) -> Result<()> {
-        self.inner.event_synchronize(device, event)
-    }
-    fn stream_device(&self, stream: Stream) -> Result<usize> {
-        self.inner.stream_device(stream)
-    }
-    fn host_alloc(&self, size: usize) -> Result<usize> {
-        if self.fail_pin.load(Ordering::Relaxed) {
-            return Err(Error::OutOfMemory("no pinned memory left".into()));
-        }
-        self.inner.host_alloc(size)
-    }
-    fn host_free(&self, ptr: usize) -> Result<()> {
-        self.inner.host_free(ptr)
-    }
-    fn host_register(&self, ptr: usize, size: usize) -> Result<()> {
-        let left = self.registrations_left.load(Ordering::Relaxed);
-        if left == 0 {
-            return Err(Error::Driver(
-                "CUDA_ERROR_OUT_OF_MEMORY: cannot lock pages".into(),
-            ));
-        }
-        self.registrations_left.store(left - 1, Ordering::Relaxed);
-        self.inner.host_register(ptr, size)
-    }
-    fn host_unregister(&self, ptr: usize) -> Result<()> {
-        self.inner.host_unregister(ptr)
     }
 }
 
-fn flaky_with(config: &Config) -> (Arc<Flaky>, HostAllocator) {
-    let driver = Arc::new(Flaky {
-        inner: SimDriver::shared(1, 1 << 30).unwrap(),
-        fail_pin: false.into(),
-        fail_record: false.into(),
-        registrations_left: u64::MAX.into(),
+fn flaky_with(config: &Config) -> (Arc<Hooked<Flaky>>, HostAllocator) {
+    let driver = Arc::new(Hooked {
+        sim: SimDriver::shared(1, 1 << 30).unwrap(),
+        hook: Flaky {
+            fail_pin: false.into(),
+            fail_record: false.into(),
+            registrations_left: u64::MAX.into(),
+        },
     });
     let host = HostAllocator::new(driver.clone(), config);
     (driver, host)
 }
 
-fn flaky() -> (Arc<Flaky>, HostAllocator) {
+fn flaky() -> (Arc<Hooked<Flaky>>, HostAllocator) {
     flaky_with(&Config::default())
 }
 
@@ -178,14 +144,14 @@ fn out_of_pinned_memory_empties_the_cache_and_retries_before_failing() {
     let (driver, host) = flaky();
     let a = host.malloc(1 << 16).unwrap();
     host.free(a.ptr, None).unwrap();
-    driver.fail_pin.store(true, Ordering::Relaxed);
+    driver.hook.fail_pin.store(true, Ordering::Relaxed);
     let e = host.malloc(1 << 20).unwrap_err();
     assert!(matches!(e, Error::OutOfMemory(_)), "{e}");
     // The retry returned the cached block to the driver first.
-    assert_eq!(driver.inner.counters.host_free.load(Ordering::Relaxed), 1);
+    assert_eq!(driver.sim.counters.host_free.load(Ordering::Relaxed), 1);
     let s = host.stats();
     assert_eq!((s.allocations.current, s.reserved_bytes.current), (0, 0));
-    driver.fail_pin.store(false, Ordering::Relaxed);
+    driver.hook.fail_pin.store(false, Ordering::Relaxed);
     let b = host.malloc(1 << 20).unwrap();
     host.free(b.ptr, None).unwrap();
 }
@@ -195,10 +161,10 @@ fn a_block_whose_event_cannot_be_recorded_is_never_reused() {
     let (driver, host) = flaky();
     let a = host.malloc(4096).unwrap();
     host.record_event(a.ptr, None, 0x2101);
-    driver.fail_record.store(true, Ordering::Relaxed);
+    driver.hook.fail_record.store(true, Ordering::Relaxed);
     let e = host.free(a.ptr, None).unwrap_err();
     assert!(matches!(e, Error::Driver(_)), "{e}");
-    driver.fail_record.store(false, Ordering::Relaxed);
+    driver.hook.fail_record.store(false, Ordering::Relaxed);
     let b = host.malloc(4096).unwrap();
     assert_ne!(b.ptr, a.ptr);
     host.empty_cache().unwrap();
@@ -216,10 +182,10 @@ fn a_failed_registration_undoes_the_chunks_already_registered() {
     };
     let (driver, host) = flaky_with(&config);
     let host = host.with_register_chunk(1 << 20);
-    driver.registrations_left.store(2, Ordering::Relaxed);
+    driver.hook.registrations_left.store(2, Ordering::Relaxed);
     let e = host.malloc(4 << 20).unwrap_err();
     assert!(matches!(e, Error::Driver(_)), "{e}");
-    let c = &driver.inner.counters;
+    let c = &driver.sim.counters;
     assert_eq!(c.host_register.load(Ordering::Relaxed), 2);
     assert_eq!(c.host_unregister.load(Ordering::Relaxed), 2);
     let s = host.stats();
@@ -231,7 +197,10 @@ fn a_failed_registration_undoes_the_chunks_already_registered() {
         ),
         (0, 0, 0)
     );
-    driver.registrations_left.store(u64::MAX, Ordering::Relaxed);
+    driver
+        .hook
+        .registrations_left
+        .store(u64::MAX, Ordering::Relaxed);
     let a = host.malloc(4 << 20).unwrap();
     host.free(a.ptr, None).unwrap();
 }

@@ -9,14 +9,17 @@ use std::time::Duration;
 
 use tensoralloc::config::Config;
 use tensoralloc::driver::sim::{self, SimDriver};
-use tensoralloc::driver::{Driver, Event, MemInfo, Stream};
 use tensoralloc::host::HostAllocator;
 use tensoralloc::Result;
 
-/// Forwards to the simulated driver, first proving from another thread that the allocator
-/// can still allocate, free and report statistics.
+#[path = "support/hooked.rs"]
+mod hooked;
+
+use hooked::{Call, Hook, Hooked};
+
+/// A hook on the simulated driver that, before a call, proves from another thread that the
+/// allocator can still allocate, free and report statistics.
 struct Probing {
-    inner: Arc<SimDriver>,
     host: OnceLock<&'static HostAllocator>,
     probing: AtomicBool,
     probes: AtomicU64,
@@ -46,72 +49,30 @@ impl Probing {
     }
 }
 
-impl Driver for Probing {
-    fn name(&self) -> &'static str {
-        "probing"
-    }
-    fn device_count(&self) -> Result<usize> {
-        self.inner.device_count()
-    }
-    fn mem_alloc(&self, device: usize, size: usize) -> Result<usize> {
-        self.inner.mem_alloc(device, size)
-    }
-    fn mem_free(&self, device: usize, ptr: usize) -> Result<()> {
-        self.inner.mem_free(device, ptr)
-    }
-    fn mem_info(&self, device: usize) -> Result<MemInfo> {
-        self.inner.mem_info(device)
-    }
-    fn event_create(&self, device: usize) -> Result<Event> {
-        self.probe("event_create");
-        self.inner.event_create(device)
-    }
-    fn event_destroy(&self, device: usize, event: Event) -> Result<()> {
-        self.probe("event_destroy");
-        self.inner.event_destroy(device, event)
-    }
-    fn event_record(&self, device: usize, event: Event, stream: Stream) -> Result<()> {
-        self.probe("event_record");
-        self.inner.event_record(device, event, stream)
-    }
-    fn event_query(&self, device: usize, event: Event) -> Result<bool> {
-        self.probe("event_query");
-        self.inner.event_query(device, event)
-    }
-    fn event_synchronize(&self, device: usize, event: Event) -> Result<()> {
-        self.inner.event_synchronize(device, event)
-    }
-    fn stream_device(&self, stream: Stream) -> Result<usize> {
-        self.probe("stream_device");
-        self.inner.stream_device(stream)
-    }
-    fn host_alloc(&self, size: usize) -> Result<usize> {
-        self.probe("host_alloc");
-        self.inner.host_alloc(size)
-    }
-    fn host_free(&self, ptr: usize) -> Result<()> {
-        self.probe("host_free");
-        self.inner.host_free(ptr)
-    }
-    fn host_register(&self, ptr: usize, size: usize) -> Result<()> {
-        self.probe("host_register");
-        self.inner.host_register(ptr, size)
-    }
-    fn host_unregister(&self, ptr: usize) -> Result<()> {
-        self.probe("host_unregister");
-        self.inner.host_unregister(ptr)
+impl Hook for Probing {
+    fn before(&self, call: Call) -> Result<()> {
+        let unprobed = matches!(
+            call,
+            Call::MemAlloc { .. } | Call::MemFree { .. } | Call::EventSynchronize
+        );
+        if !unprobed {
+            self.probe(call.name());
+        }
+        Ok(())
     }
 }
 
 #[test]
 fn no_driver_call_is_made_while_holding_a_lock_that_allocation_needs() {
     for register in [false, true] {
-        let driver = Arc::new(Probing {
-            inner: SimDriver::shared(1, 1 << 30).unwrap(),
-            host: OnceLock::new(),
-            probing: AtomicBool::new(false),
-            probes: AtomicU64::new(0),
-            next_size: AtomicU64::new(0),
+        let driver = Arc::new(Hooked {
+            sim: SimDriver::shared(1, 1 << 30).unwrap(),
+            hook: Probing {
+                host: OnceLock::new(),
+                probing: AtomicBool::new(false),
+                probes: AtomicU64::new(0),
+                next_size: AtomicU64::new(0),
+            },
         });
         let config = Config {
             pinned_use_host_register: register,
@@ -120,7 +81,7 @@ fn no_driver_call_is_made_while_holding_a_lock_that_allocation_needs() {
         // Leaked: the driver refers back to the allocator for the whole test.
         let host: &'static HostAllocator =
             Box::leak(Box::new(HostAllocator::new(driver.clone(), &config)));
-        driver.host.set(host).ok().unwrap();
+        driver.hook.host.set(host).ok().unwrap();
         let stream = if register { 0x5002 } else { 0x5001 };
 
         let a = host.malloc(4096).unwrap();
@@ -131,9 +92,9 @@ fn no_driver_call_is_made_while_holding_a_lock_that_allocation_needs() {
         host.empty_cache().unwrap();
         // Pinning, stream lookup, event creation and recording, and unpinning were probed.
         assert!(
-            driver.probes.load(Ordering::Relaxed) >= 5,
+            driver.hook.probes.load(Ordering::Relaxed) >= 5,
             "{}",
-            driver.probes.load(Ordering::Relaxed)
+            driver.hook.probes.load(Ordering::Relaxed)
         );
     }
 }
