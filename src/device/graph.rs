@@ -28,7 +28,10 @@
 //! [`Driver::stream_capturing`]: crate::driver::Driver::stream_capturing
 
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+use std::sync::atomic::{
+    AtomicUsize,
+    Ordering::{Relaxed, SeqCst},
+};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
@@ -60,6 +63,19 @@ pub(crate) struct GraphPools {
     state: Mutex<PoolState>,
     /// Freed blocks whose stream events are not recorded yet: (shard index, block id).
     deferred: Mutex<Vec<(u32, u32)>>,
+}
+
+/// Leave to make driver calls that a capture forbids (freeing memory; querying, waiting for
+/// or recording events) for a shard, for as long as it lives, counted in the shard's
+/// `forbidden_calls`: [`GraphPools::outside_capture`] gives it only while no pool is active,
+/// and [`DeviceAllocator::begin_allocate_to_pool`] returns only once no shard has one left, so
+/// a capture begun after that sees no such call.
+pub(super) struct OutsideCapture<'a>(&'a AtomicUsize);
+
+impl Drop for OutsideCapture<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, SeqCst);
+    }
 }
 
 #[derive(Default)]
@@ -99,6 +115,16 @@ impl GraphPools {
     #[inline]
     pub fn capturing(&self) -> bool {
         self.flags() & !DEFERRED != 0
+    }
+
+    /// Leave to make driver calls that a capture forbids, counted in `calls`, unless a pool is
+    /// active. Counting the leave before looking at the pools, as a begin makes a pool active
+    /// before looking at the counts (both sequentially consistent), means that either the
+    /// begin waits for this leave or this sees the pool.
+    fn outside_capture<'a>(&self, calls: &'a AtomicUsize) -> Option<OutsideCapture<'a>> {
+        calls.fetch_add(1, SeqCst);
+        let leave = OutsideCapture(calls);
+        (self.flags.load(SeqCst) & !DEFERRED == 0).then_some(leave)
     }
 
     /// Whether a use of `pool` remains.
@@ -147,12 +173,25 @@ impl DeviceAllocator {
     /// once; a stream goes to the first begun pool whose filter accepts it. The filter is
     /// called under the pool lock on allocations while the pool is active: it must be cheap
     /// and must not call into the allocator.
+    ///
+    /// Returns once no other thread is still returning memory to the driver or touching events
+    /// for the allocator ([`OutsideCapture`]), so that a capture begun after this returns sees
+    /// no such call.
     pub fn begin_allocate_to_pool(&self, pool: PoolId, filter: Option<StreamFilter>) -> Result<()> {
         check_id(pool)?;
-        let mut st = self.graph.state.lock();
-        st.pools.entry(pool).or_default().uses += 1;
-        st.underway.push((pool, filter));
-        self.graph.flags.fetch_add(1, Relaxed);
+        {
+            let mut st = self.graph.state.lock();
+            st.pools.entry(pool).or_default().uses += 1;
+            st.underway.push((pool, filter));
+            self.graph.flags.fetch_add(1, SeqCst);
+        }
+        // Calls that a capture forbids and that began before the pool became active; later
+        // ones see it and are not made. No lock is held while waiting.
+        for shard in self.shards.iter() {
+            while shard.forbidden_calls.load(SeqCst) != 0 {
+                std::thread::yield_now();
+            }
+        }
         Ok(())
     }
 
@@ -241,6 +280,7 @@ impl DeviceAllocator {
                         stream: AtomicUsize::new(stream),
                         index,
                         private: true,
+                        forbidden_calls: AtomicUsize::new(0),
                         inner: super::shard::ShardLock::default(),
                         stats: ShardStats::new(&self.counters),
                     },
@@ -272,6 +312,14 @@ impl DeviceAllocator {
     #[inline(never)]
     fn left_pool(&self, shard: &Shard, pool: PoolId) -> bool {
         self.graph.owner(shard.index) != Some(pool)
+    }
+
+    /// Leave to make driver calls that a capture forbids for `shard`, while no pool is active
+    /// ([`OutsideCapture`]). Taken right before such calls, however recently the caller looked:
+    /// a pool may have been begun since.
+    #[inline]
+    pub(super) fn outside_capture<'a>(&self, shard: &'a Shard) -> Option<OutsideCapture<'a>> {
+        self.graph.outside_capture(&shard.forbidden_calls)
     }
 
     /// Whether nothing may touch events or free memory now on behalf of `stream`: a pool is
@@ -338,6 +386,9 @@ impl DeviceAllocator {
     /// After a free in a private shard whose pool is unused: returns the shard's free segments
     /// and retires the pool once it is empty.
     pub(super) fn trim_private_shard(&self, shard: &Shard, inner: &mut ShardInner) {
+        let Some(_leave) = self.outside_capture(shard) else {
+            return;
+        };
         if let Err(e) = self.release_segments(shard, inner, usize::MAX) {
             eprintln!(
                 "tensoralloc: device {}: could not return a released pool's segment ({e})",

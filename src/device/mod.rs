@@ -69,6 +69,9 @@ pub(crate) struct Shard {
     index: u32,
     /// A shard of a graph private pool ([`graph`]) rather than the stream's own.
     private: bool,
+    /// Driver calls for this shard that a capture forbids under way
+    /// ([`graph::OutsideCapture`]).
+    forbidden_calls: AtomicUsize,
     inner: ShardLock,
     stats: ShardStats,
 }
@@ -300,6 +303,7 @@ impl DeviceAllocator {
             stream: AtomicUsize::new(stream),
             index,
             private: false,
+            forbidden_calls: AtomicUsize::new(0),
             inner: ShardLock::default(),
             stats: ShardStats::new(&self.counters),
         };
@@ -786,6 +790,11 @@ impl DeviceAllocator {
         mut inner: ShardGuard<'_, ShardInner>,
         id: u32,
     ) -> Result<()> {
+        // A pool begun since the caller looked waits for this recording, or this for it.
+        let Some(_leave) = self.outside_capture(shard) else {
+            self.defer_free(shard, id);
+            return Ok(());
+        };
         let uses = std::mem::take(&mut inner.block_mut(id).stream_uses);
         // Events are taken from the pool (perhaps created) and recorded without the lock.
         drop(inner);
@@ -882,6 +891,9 @@ impl DeviceAllocator {
 
     /// Returns blocks whose events have completed to their pools.
     fn process_events(&self, shard: &Shard, inner: &mut ShardInner) {
+        let Some(_leave) = self.outside_capture(shard) else {
+            return;
+        };
         let mut i = 0;
         while i < inner.pending.len() {
             let (event, id) = inner.pending[i];
@@ -926,6 +938,9 @@ impl DeviceAllocator {
     /// Waits for every outstanding event of `shard`, then returns its unused segments to the
     /// driver. Returns the bytes released.
     fn release_shard(&self, shard: &Shard, inner: &mut ShardInner) -> Result<usize> {
+        let Some(_leave) = self.outside_capture(shard) else {
+            return Ok(0);
+        };
         for (event, id) in std::mem::take(&mut inner.pending) {
             self.driver.event_synchronize(self.device, event)?;
             self.events.put(event);
@@ -1061,7 +1076,14 @@ impl DeviceAllocator {
         }
         // Never waited for: a shard in use is no candidate.
         let mut inner = shard.inner.try_lock()?;
-        if may_release {
+        // A pool begun since the caller looked forbids releasing now: the shard may then only
+        // move if it holds nothing.
+        let leave = if may_release {
+            self.outside_capture(shard)
+        } else {
+            None
+        };
+        if leave.is_some() {
             if !inner.pending.is_empty() {
                 self.process_events(shard, &mut inner);
             }
