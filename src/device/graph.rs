@@ -65,11 +65,11 @@ pub(crate) struct GraphPools {
     deferred: Mutex<Vec<(u32, u32)>>,
 }
 
-/// Leave to make driver calls that a capture forbids (freeing memory; querying, waiting for
-/// or recording events) for a shard, for as long as it lives, counted in the shard's
-/// `forbidden_calls`: [`GraphPools::outside_capture`] gives it only while no pool is active,
-/// and [`DeviceAllocator::begin_allocate_to_pool`] returns only once no shard has one left, so
-/// a capture begun after that sees no such call.
+/// Leave to record a free's stream events for a shard after its lock is released, for as long
+/// as it lives, counted in the shard's `recordings`: [`GraphPools::outside_capture`]
+/// gives it only while no pool is active, and [`DeviceAllocator::begin_allocate_to_pool`]
+/// returns only once no shard has one left, so a capture begun after that sees no such
+/// recording.
 pub(super) struct OutsideCapture<'a>(&'a AtomicUsize);
 
 impl Drop for OutsideCapture<'_> {
@@ -117,8 +117,8 @@ impl GraphPools {
         self.flags() & !DEFERRED != 0
     }
 
-    /// Leave to make driver calls that a capture forbids, counted in `calls`, unless a pool is
-    /// active. Counting the leave before looking at the pools, as a begin makes a pool active
+    /// Leave to record a free's events after unlocking its shard, counted in `calls`, unless a
+    /// pool is active. Counting the leave before looking at the pools, as a begin makes a pool active
     /// before looking at the counts (both sequentially consistent), means that either the
     /// begin waits for this leave or this sees the pool.
     fn outside_capture<'a>(&self, calls: &'a AtomicUsize) -> Option<OutsideCapture<'a>> {
@@ -175,8 +175,10 @@ impl DeviceAllocator {
     /// and must not call into the allocator.
     ///
     /// Returns once no other thread is still returning memory to the driver or touching events
-    /// for the allocator ([`OutsideCapture`]), so that a capture begun after this returns sees
-    /// no such call.
+    /// for the allocator, so that a capture begun after this returns sees no such call: that
+    /// work checks for an active pool under the lock of the shard it serves
+    /// ([`DeviceAllocator::capture_forbids`]), which this takes once each after the pool is
+    /// active, or holds a leave ([`OutsideCapture`]) for what it does after unlocking.
     pub fn begin_allocate_to_pool(&self, pool: PoolId, filter: Option<StreamFilter>) -> Result<()> {
         check_id(pool)?;
         {
@@ -185,10 +187,12 @@ impl DeviceAllocator {
             st.underway.push((pool, filter));
             self.graph.flags.fetch_add(1, SeqCst);
         }
-        // Calls that a capture forbids and that began before the pool became active; later
-        // ones see it and are not made. No lock is held while waiting.
+        // Work that a capture forbids and that began before the pool became active: under a
+        // shard's lock (taken once here; later holders see the pool), or recording events
+        // after it (a leave). No other lock is held while waiting.
         for shard in self.shards.iter() {
-            while shard.forbidden_calls.load(SeqCst) != 0 {
+            drop(shard.inner.lock_memo());
+            while shard.recordings.load(SeqCst) != 0 {
                 std::thread::yield_now();
             }
         }
@@ -280,7 +284,7 @@ impl DeviceAllocator {
                         stream: AtomicUsize::new(stream),
                         index,
                         private: true,
-                        forbidden_calls: AtomicUsize::new(0),
+                        recordings: AtomicUsize::new(0),
                         inner: super::shard::ShardLock::default(),
                         stats: ShardStats::new(&self.counters),
                     },
@@ -314,12 +318,21 @@ impl DeviceAllocator {
         self.graph.owner(shard.index) != Some(pool)
     }
 
-    /// Leave to make driver calls that a capture forbids for `shard`, while no pool is active
-    /// ([`OutsideCapture`]). Taken right before such calls, however recently the caller looked:
-    /// a pool may have been begun since.
+    /// Whether driver calls that a capture forbids (freeing memory; querying, waiting for or
+    /// recording events) must not be made now: a pool is active. Asked by a caller holding
+    /// the lock of the shard it works for, right before such calls and for all of them,
+    /// however recently it looked: [`DeviceAllocator::begin_allocate_to_pool`] takes each
+    /// shard's lock once the pool is active.
+    #[inline]
+    pub(super) fn capture_forbids(&self) -> bool {
+        self.graph.capturing()
+    }
+
+    /// Leave to record a free's events for `shard` after unlocking it, while no pool is active
+    /// ([`OutsideCapture`]).
     #[inline]
     pub(super) fn outside_capture<'a>(&self, shard: &'a Shard) -> Option<OutsideCapture<'a>> {
-        self.graph.outside_capture(&shard.forbidden_calls)
+        self.graph.outside_capture(&shard.recordings)
     }
 
     /// Whether nothing may touch events or free memory now on behalf of `stream`: a pool is
@@ -386,9 +399,9 @@ impl DeviceAllocator {
     /// After a free in a private shard whose pool is unused: returns the shard's free segments
     /// and retires the pool once it is empty.
     pub(super) fn trim_private_shard(&self, shard: &Shard, inner: &mut ShardInner) {
-        let Some(_leave) = self.outside_capture(shard) else {
+        if self.capture_forbids() {
             return;
-        };
+        }
         if let Err(e) = self.release_segments(shard, inner, usize::MAX) {
             eprintln!(
                 "tensoralloc: device {}: could not return a released pool's segment ({e})",

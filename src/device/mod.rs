@@ -69,9 +69,9 @@ pub(crate) struct Shard {
     index: u32,
     /// A shard of a graph private pool ([`graph`]) rather than the stream's own.
     private: bool,
-    /// Driver calls for this shard that a capture forbids under way
+    /// Recordings of free events for this shard under way after its lock was released
     /// ([`graph::OutsideCapture`]).
-    forbidden_calls: AtomicUsize,
+    recordings: AtomicUsize,
     inner: ShardLock,
     stats: ShardStats,
 }
@@ -303,7 +303,7 @@ impl DeviceAllocator {
             stream: AtomicUsize::new(stream),
             index,
             private: false,
-            forbidden_calls: AtomicUsize::new(0),
+            recordings: AtomicUsize::new(0),
             inner: ShardLock::default(),
             stats: ShardStats::new(&self.counters),
         };
@@ -891,9 +891,9 @@ impl DeviceAllocator {
 
     /// Returns blocks whose events have completed to their pools.
     fn process_events(&self, shard: &Shard, inner: &mut ShardInner) {
-        let Some(_leave) = self.outside_capture(shard) else {
+        if self.capture_forbids() {
             return;
-        };
+        }
         let mut i = 0;
         while i < inner.pending.len() {
             let (event, id) = inner.pending[i];
@@ -938,9 +938,9 @@ impl DeviceAllocator {
     /// Waits for every outstanding event of `shard`, then returns its unused segments to the
     /// driver. Returns the bytes released.
     fn release_shard(&self, shard: &Shard, inner: &mut ShardInner) -> Result<usize> {
-        let Some(_leave) = self.outside_capture(shard) else {
+        if self.capture_forbids() {
             return Ok(0);
-        };
+        }
         for (event, id) in std::mem::take(&mut inner.pending) {
             self.driver.event_synchronize(self.device, event)?;
             self.events.put(event);
@@ -1078,12 +1078,7 @@ impl DeviceAllocator {
         let mut inner = shard.inner.try_lock()?;
         // A pool begun since the caller looked forbids releasing now: the shard may then only
         // move if it holds nothing.
-        let leave = if may_release {
-            self.outside_capture(shard)
-        } else {
-            None
-        };
-        if leave.is_some() {
+        if may_release && !self.capture_forbids() {
             if !inner.pending.is_empty() {
                 self.process_events(shard, &mut inner);
             }

@@ -281,9 +281,9 @@ impl DeviceAllocator {
         if inner.exp.segments.is_empty() {
             return Ok(0);
         }
-        let Some(_leave) = self.outside_capture(shard) else {
+        if self.capture_forbids() {
             return Ok(0);
-        };
+        }
         if self.free_mapped(shard) > 0 {
             self.wait_for_stream(shard)?;
         }
@@ -423,9 +423,9 @@ impl DeviceAllocator {
     /// Advances what is known idle on `shard`'s stream: collects its batch event if it has
     /// completed, and records one for the frees since, if there are any.
     fn refresh_idle(&self, shard: &Shard, inner: &mut ShardInner) {
-        let Some(_leave) = self.outside_capture(shard) else {
+        if self.capture_forbids() {
             return;
-        };
+        }
         let exp = &mut inner.exp;
         if let Some((event, upto)) = exp.batch {
             match self.driver.event_query(self.device, event) {
