@@ -945,7 +945,11 @@ void *tensoralloc_get_base_allocation(void *ptr, size_t *size);
  * While any pool of the device is active, tensoralloc takes the device to be capturing a CUDA
  * graph: it queries and waits for no event, records the events of frees of blocks used by
  * other streams (`tensoralloc_record_stream`) only once the last pool ends, and frees no
- * memory to the driver (`tensoralloc_empty_cache` does nothing to the device then).
+ * cached memory to the driver (`tensoralloc_empty_cache` does nothing to the device then)
+ * except oversize blocks that an allocation which found no room needs freed, as PyTorch does.
+ * The call returns once such work that other threads began before it (emptying the cache,
+ * waiting for or recording events) has finished, so a capture begun after it sees none of it;
+ * it may therefore wait as long as such a driver call takes.
  *
  * `ctx` (owned by the caller) must stay valid until the matching end returns. Returns
  * `TENSORALLOC_OK`, or an error status with a last error for the id (0, 0) (PyTorch's "no

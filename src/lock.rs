@@ -36,7 +36,8 @@ const LOCKED: u8 = 1;
 /// Locked, and other threads may sleep waiting for it.
 const CONTENDED: u8 = 2;
 
-/// Passed to a sleeper woken by an unlock that left it the lock ([`RawShardLock::unlock`]).
+/// Passed to a sleeper woken by an unlock that left it the lock
+/// ([`RawShardLock::unlock_contended`]).
 const HANDED_OVER: UnparkToken = UnparkToken(1);
 
 /// The longest a waiter sleeps before it looks at the lock again (see the module

@@ -117,13 +117,13 @@ impl GraphPools {
         self.flags() & !DEFERRED != 0
     }
 
-    /// Leave to record a free's events after unlocking its shard, counted in `calls`, unless a
-    /// pool is active. Counting the leave before looking at the pools, as a begin makes a pool active
-    /// before looking at the counts (both sequentially consistent), means that either the
-    /// begin waits for this leave or this sees the pool.
-    fn outside_capture<'a>(&self, calls: &'a AtomicUsize) -> Option<OutsideCapture<'a>> {
-        calls.fetch_add(1, SeqCst);
-        let leave = OutsideCapture(calls);
+    /// Leave to record a free's events after unlocking its shard, counted in the shard's
+    /// `recordings`, unless a pool is active. Counting the leave before looking at the pools,
+    /// as a begin makes a pool active before looking at the counts (both sequentially
+    /// consistent), means that either the begin waits for this leave or this sees the pool.
+    fn outside_capture<'a>(&self, recordings: &'a AtomicUsize) -> Option<OutsideCapture<'a>> {
+        recordings.fetch_add(1, SeqCst);
+        let leave = OutsideCapture(recordings);
         (self.flags.load(SeqCst) & !DEFERRED == 0).then_some(leave)
     }
 
@@ -396,12 +396,10 @@ impl DeviceAllocator {
                 .is_none_or(|pool| !self.graph.in_use(pool))
     }
 
-    /// After a free in a private shard whose pool is unused: returns the shard's free segments
-    /// and retires the pool once it is empty.
+    /// After a free in a private shard whose pool is unused and while no capture forbids it
+    /// ([`DeviceAllocator::private_shard_unused`], asked under the same hold of the shard's
+    /// lock): returns the shard's free segments and retires the pool once it is empty.
     pub(super) fn trim_private_shard(&self, shard: &Shard, inner: &mut ShardInner) {
-        if self.capture_forbids() {
-            return;
-        }
         if let Err(e) = self.release_segments(shard, inner, usize::MAX) {
             eprintln!(
                 "tensoralloc: device {}: could not return a released pool's segment ({e})",

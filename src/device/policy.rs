@@ -278,10 +278,7 @@ impl DeviceAllocator {
         inner: &mut ShardInner,
         goal: usize,
     ) -> Result<usize> {
-        if inner.exp.segments.is_empty() {
-            return Ok(0);
-        }
-        if self.capture_forbids() {
+        if inner.exp.segments.is_empty() || self.capture_forbids() {
             return Ok(0);
         }
         if self.free_mapped(shard) > 0 {
