@@ -111,7 +111,12 @@ impl GraphPools {
         self.flags.load(Relaxed)
     }
 
-    /// Whether allocation to some pool is underway (the device is taken to be capturing).
+    /// Whether allocation to some pool is underway (the device is taken to be capturing), so
+    /// that driver calls a capture forbids (freeing memory; querying, waiting for or recording
+    /// events) must not be made now. Work for a shard asks it under that shard's lock, right
+    /// before such calls and for all of them, however recently it looked:
+    /// [`DeviceAllocator::begin_allocate_to_pool`] takes each shard's lock once the pool is
+    /// active.
     #[inline]
     pub fn capturing(&self) -> bool {
         self.flags() & !DEFERRED != 0
@@ -177,7 +182,7 @@ impl DeviceAllocator {
     /// Returns once no other thread is still returning memory to the driver or touching events
     /// for the allocator, so that a capture begun after this returns sees no such call: that
     /// work checks for an active pool under the lock of the shard it serves
-    /// ([`DeviceAllocator::capture_forbids`]), which this takes once each after the pool is
+    /// ([`GraphPools::capturing`]), which this takes once each after the pool is
     /// active, or holds a leave ([`OutsideCapture`]) for what it does after unlocking.
     pub fn begin_allocate_to_pool(&self, pool: PoolId, filter: Option<StreamFilter>) -> Result<()> {
         check_id(pool)?;
@@ -316,16 +321,6 @@ impl DeviceAllocator {
     #[inline(never)]
     fn left_pool(&self, shard: &Shard, pool: PoolId) -> bool {
         self.graph.owner(shard.index) != Some(pool)
-    }
-
-    /// Whether driver calls that a capture forbids (freeing memory; querying, waiting for or
-    /// recording events) must not be made now: a pool is active. Asked by a caller holding
-    /// the lock of the shard it works for, right before such calls and for all of them,
-    /// however recently it looked: [`DeviceAllocator::begin_allocate_to_pool`] takes each
-    /// shard's lock once the pool is active.
-    #[inline]
-    pub(super) fn capture_forbids(&self) -> bool {
-        self.graph.capturing()
     }
 
     /// Leave to record a free's events for `shard` after unlocking it, while no pool is active

@@ -891,7 +891,7 @@ impl DeviceAllocator {
 
     /// Returns blocks whose events have completed to their pools.
     fn process_events(&self, shard: &Shard, inner: &mut ShardInner) {
-        if self.capture_forbids() {
+        if self.graph.capturing() {
             return;
         }
         let mut i = 0;
@@ -938,7 +938,7 @@ impl DeviceAllocator {
     /// Waits for every outstanding event of `shard`, then returns its unused segments to the
     /// driver. Returns the bytes released.
     fn release_shard(&self, shard: &Shard, inner: &mut ShardInner) -> Result<usize> {
-        if self.capture_forbids() {
+        if self.graph.capturing() {
             return Ok(0);
         }
         for (event, id) in std::mem::take(&mut inner.pending) {
@@ -1078,7 +1078,7 @@ impl DeviceAllocator {
         let mut inner = shard.inner.try_lock()?;
         // A pool begun since the caller looked forbids releasing now: the shard may then only
         // move if it holds nothing.
-        if may_release && !self.capture_forbids() {
+        if may_release && !self.graph.capturing() {
             if !inner.pending.is_empty() {
                 self.process_events(shard, &mut inner);
             }

@@ -278,7 +278,7 @@ impl DeviceAllocator {
         inner: &mut ShardInner,
         goal: usize,
     ) -> Result<usize> {
-        if inner.exp.segments.is_empty() || self.capture_forbids() {
+        if inner.exp.segments.is_empty() || self.graph.capturing() {
             return Ok(0);
         }
         if self.free_mapped(shard) > 0 {
@@ -420,7 +420,7 @@ impl DeviceAllocator {
     /// Advances what is known idle on `shard`'s stream: collects its batch event if it has
     /// completed, and records one for the frees since, if there are any.
     fn refresh_idle(&self, shard: &Shard, inner: &mut ShardInner) {
-        if self.capture_forbids() {
+        if self.graph.capturing() {
             return;
         }
         let exp = &mut inner.exp;
