@@ -51,6 +51,17 @@ const PYTORCH_ALONGSIDE: usize = 4096;
 /// percent, if anything.
 const BEST_FULL_EXCESS: u64 = 16;
 
+/// What [`Problem::in_event_order`] does with a free gap that reaches the top of the busy
+/// bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Top {
+    /// It stays a gap, and the top stays where it is (PyTorch's plan: its arena only grows).
+    Kept,
+    /// The top comes down to the gap's start: a later allocation too large for every gap
+    /// starts there rather than above it.
+    Lowered,
+}
+
 /// Which allocation the greedy planner places first.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Order {
@@ -189,25 +200,45 @@ impl Problem {
     /// [`Problem::pytorch`], or `None` once `stop` is set (looked at every few thousand
     /// events).
     fn pytorch_unless(&self, stop: &AtomicBool) -> Option<OffsetPlan> {
-        let mut events: Vec<(u64, u8, u32)> = Vec::with_capacity(2 * self.len());
-        for i in 0..self.len() {
-            if self.sizes[i] > 0 {
-                events.push((self.first[i], 0, i as u32));
-                events.push((self.last[i], 1, i as u32));
-            }
+        let mut offsets = vec![0u64; self.len()];
+        let nonzero = (0..self.len() as u32).filter(|&i| self.sizes[i as usize] > 0);
+        let arena = self.in_event_order(nonzero, Top::Kept, &mut offsets, stop)?;
+        Some(OffsetPlan {
+            offsets,
+            arena_size: arena,
+        })
+    }
+
+    /// Places the allocations `which` (nonzero ones) in time order, as a running allocator
+    /// would: each in the smallest free gap that holds it (the lowest among equals), or else
+    /// at the top of the busy bytes, which then rise; a free merges with the gaps on both
+    /// sides, and `top` says whether one that reaches the top lowers it. Writes their offsets
+    /// to `offsets` and returns the highest the top rose, or `None` once `stop` is set
+    /// (looked at every few thousand events).
+    pub(crate) fn in_event_order(
+        &self,
+        which: impl Iterator<Item = u32>,
+        top: Top,
+        offsets: &mut [u64],
+        stop: &AtomicBool,
+    ) -> Option<u64> {
+        // At one time step allocations come before frees: lifetimes are inclusive.
+        let mut events: Vec<(u64, bool, u32)> = Vec::with_capacity(2 * self.len());
+        for i in which {
+            events.push((self.first[i as usize], false, i));
+            events.push((self.last[i as usize], true, i));
         }
         events.sort_unstable();
-        let mut offsets = vec![0u64; self.len()];
         let mut by_size: BTreeSet<(u64, u64)> = BTreeSet::new();
         let mut by_start: BTreeMap<u64, u64> = BTreeMap::new();
-        let mut arena = 0u64;
-        for (k, (_, kind, i)) in events.into_iter().enumerate() {
+        let (mut busy, mut peak) = (0u64, 0u64);
+        for (k, (_, free, i)) in events.into_iter().enumerate() {
             if k % 4096 == 0 && stop.load(Relaxed) {
                 return None;
             }
             let i = i as usize;
             let size = self.sizes[i];
-            if kind == 0 {
+            if !free {
                 let fit = by_size.range((size, 0)..).next().copied();
                 offsets[i] = match fit {
                     Some((gap, start)) => {
@@ -220,8 +251,9 @@ impl Problem {
                         start
                     }
                     None => {
-                        arena += size;
-                        arena - size
+                        busy += size;
+                        peak = peak.max(busy);
+                        busy - size
                     }
                 };
             } else {
@@ -239,14 +271,15 @@ impl Problem {
                         len += l;
                     }
                 }
-                by_start.insert(start, len);
-                by_size.insert((len, start));
+                if top == Top::Lowered && start + len == busy {
+                    busy = start;
+                } else {
+                    by_start.insert(start, len);
+                    by_size.insert((len, start));
+                }
             }
         }
-        Some(OffsetPlan {
-            offsets,
-            arena_size: arena,
-        })
+        Some(peak)
     }
 
     /// One greedy pass in the given order, each allocation in the gap `fit` picks.
