@@ -119,7 +119,11 @@ unsafe fn plan_into(
 /// optimal). In every greedy placement, tiny allocations (at most a 2^-20th of the lower bound)
 /// go after all the others, each in the lowest gap that holds it, or on top of the allocations
 /// live with it when more than 64 of their byte ranges lie between its lowest free byte and
-/// that gap. Plans are deterministic: the same input gives the same plan on any machine. For
+/// that gap. A first-fit placement whose larger allocations found their gaps above 64 busy
+/// byte ranges each on average (dense inputs of many thousands of allocations) instead puts
+/// every allocation of at most a 2^-19th of the bound in a region of its own above all the
+/// others, in time order, unless such allocations have more than a 256th of the bound live at
+/// once. Plans are deterministic: the same input gives the same plan on any machine. For
 /// inputs of 4,096 or more nonzero allocations, `"default"` and `"exact"` make PyTorch's plan
 /// on a second thread while the greedy passes run (a few milliseconds; the thread is started
 /// and joined within the call), or on the calling thread when no other can be started.

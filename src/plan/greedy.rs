@@ -80,8 +80,6 @@ pub(crate) struct Greedy {
     /// Whether the small allocations need little enough room to be stacked
     /// ([`STACK_ROOM_SHIFT`]), once a pass has asked.
     stack_room: Option<bool>,
-    /// Those allocations, in the pass that stacks them.
-    stacked: Vec<u32>,
     /// Whether a pass may make [`LifetimeFloors`] when its merges are long.
     judge_merges: bool,
     /// First-fit placements in this pass, and the ranges their merges read and skipped.
@@ -97,12 +95,9 @@ impl Greedy {
         steps.sort_unstable();
         steps.dedup();
         let mut span = vec![(0, 0); p.len()];
-        // Per leaf: allocations starting there, allocations ending just before it, and the
-        // bytes starting and ending there.
+        // Per leaf: allocations starting there, and allocations ending just before it.
         let mut starting = vec![0usize; steps.len() + 1];
         let mut ending = vec![0usize; steps.len() + 1];
-        let mut bytes_in = vec![0u64; steps.len() + 1];
-        let mut bytes_out = vec![0u64; steps.len() + 1];
         for &i in &nonzero {
             let i = i as usize;
             let lo = steps.partition_point(|&t| t < p.first[i]);
@@ -110,24 +105,21 @@ impl Greedy {
             span[i] = (lo as u32, hi as u32);
             starting[lo] += 1;
             ending[hi] += 1;
-            bytes_in[lo] += p.sizes[i];
-            bytes_out[hi] += p.sizes[i];
         }
         // Allocations live at leaf k that started before it: each pairs with all the ones
-        // starting at k, which also pair among themselves. The bytes live at a leaf peak at
-        // the lower bound.
-        let (mut pairs, mut earlier, mut live, mut peak) = (0usize, 0usize, 0u64, 0u64);
+        // starting at k, which also pair among themselves.
+        let (mut pairs, mut earlier) = (0usize, 0usize);
         for k in 0..steps.len() {
             earlier -= ending[k];
             pairs += starting[k] * earlier + starting[k] * starting[k].saturating_sub(1) / 2;
             earlier += starting[k];
-            live = live - bytes_out[k] + bytes_in[k];
-            peak = peak.max(live);
         }
         // Any number of leaves makes a tree when nodes are numbered from 1 and node k's
         // children are 2k and 2k + 1: every node then holds its descendant leaves, and the
         // bottom-up walk splits a range of leaves into disjoint nodes.
         let leaves = steps.len().max(1);
+        // The bytes live at a leaf peak at the lower bound.
+        let peak = live_peak(p, &span, leaves, u64::MAX);
         Greedy {
             span,
             count: nonzero.len(),
@@ -141,7 +133,6 @@ impl Greedy {
             tiny: peak >> TINY_SHIFT,
             small: peak >> SMALL_SHIFT,
             stack_room: None,
-            stacked: Vec::new(),
             floors: (pairs >= FLOOR_PAIRS.saturating_mul(nonzero.len()))
                 .then(|| Floors::new(leaves)),
             lifetime_floors: None,
@@ -199,8 +190,7 @@ impl Greedy {
         let over = |arena| cap.is_some_and(|cap| arena >= cap);
         // Whether the pass stacks, judged at its first small allocation (or its end).
         let mut stacks = None;
-        let mut stacked = std::mem::take(&mut self.stacked);
-        stacked.clear();
+        let mut stacked = Vec::new();
         for &i in larger {
             if p.sizes[i as usize] <= small && *stacks.get_or_insert_with(|| self.stacks(p)) {
                 stacked.push(i);
@@ -208,19 +198,16 @@ impl Greedy {
             }
             arena = arena.max(self.place(p, i as usize, fit, usize::MAX));
             if over(arena) {
-                self.stacked = stacked;
                 return None;
             }
         }
         if stacks.unwrap_or_else(|| self.stacks(p)) {
             stacked.extend(tiny_ones);
             arena = self.stack(p, &stacked, arena);
-            self.stacked = stacked;
             if over(arena) {
                 return None;
             }
         } else {
-            self.stacked = stacked;
             for &i in tiny_ones {
                 arena = arena.max(self.place(p, i as usize, Fit::Lowest, TINY_MERGES));
                 if over(arena) {
@@ -387,20 +374,20 @@ const STACK_ROOM_SHIFT: u32 = 8;
 /// The most bytes that the nonzero allocations of at most `most` bytes have live at one of the
 /// `leaves` (allocation `i` live at leaves `span[i].0 .. span[i].1`).
 fn live_peak(p: &Problem, span: &[(u32, u32)], leaves: usize, most: u64) -> u64 {
-    let mut change = vec![0i128; leaves + 1];
-    for (i, &(lo, hi)) in span.iter().enumerate() {
-        let size = p.sizes[i];
-        if size > 0 && size <= most {
-            change[lo as usize] += i128::from(size);
-            change[hi as usize] -= i128::from(size);
+    // Per leaf, the bytes starting there and those ending just before it (zero-sized
+    // allocations add nothing).
+    let mut change = vec![(0u64, 0u64); leaves + 1];
+    for (&(lo, hi), &size) in span.iter().zip(&p.sizes) {
+        if size <= most {
+            change[lo as usize].0 += size;
+            change[hi as usize].1 += size;
         }
     }
-    let mut live = 0i128;
-    let peak = change.iter().map(|c| {
-        live += c;
-        live
+    let live = change.iter().scan(0u64, |live, &(start, end)| {
+        *live = *live - end + start;
+        Some(*live)
     });
-    peak.max().unwrap_or(0) as u64
+    live.max().unwrap_or(0)
 }
 
 /// A tiny allocation goes in the lowest gap that holds it among the first this many busy
@@ -516,7 +503,8 @@ struct Reads {
 impl Reads {
     /// Ranges that start at or below the gaps found, with or without floors: a merge without
     /// a floor reads every range that starts at or below the gap it finds, and a floor lies
-    /// under the gap and skips only ranges that end at or below it. (Within a limit only.)
+    /// under the gap and skips only ranges that end at or below it. (So for merges without a
+    /// limit: a limited one may stop short of the gap.)
     fn below_gaps(&self) -> usize {
         self.merged + self.skipped
     }
@@ -713,8 +701,8 @@ const FLOOR_PAIRS: usize = 256;
 const LONG_MERGE: usize = 32;
 /// A pass stacks its small and tiny allocations ([`Greedy::stack`]) when its first-fit
 /// placements of larger ones (at least [`LONG_MERGE_AFTER`] of them) found their gaps above
-/// this many ranges each on average ([`Reads::below_gaps`], the same with floors or without, so that a
-/// pass's plan depends only on its input and order). Dense graphs of sharded models
+/// this many ranges each on average ([`Reads::below_gaps`], the same with floors or without,
+/// so that a pass's plan depends only on its input and order). Dense graphs of sharded models
 /// (`traces::sharded_graph`) average 36–56 at 3,000–5,000 allocations, 111 at 10,000 and 484
 /// at 60,000; MindSpore's lifetimes of BERT, PanGu and ResNet-50 8–26, the synthetic model
 /// traces of `cargo bench --bench plan` less.
@@ -997,6 +985,13 @@ mod tests {
         }
     }
 
+    /// The nonzero allocations of `p` by decreasing size, then index.
+    fn by_size(p: &Problem) -> Vec<u32> {
+        let mut by_size = p.nonzero();
+        by_size.sort_by_key(|&i| (std::cmp::Reverse(p.sizes[i as usize]), i));
+        by_size
+    }
+
     /// Which floors a test pass keeps, whatever the input's density.
     #[derive(Clone, Copy, Debug)]
     enum Kept {
@@ -1032,8 +1027,7 @@ mod tests {
     fn a_dense_pass_takes_on_lifetime_floors_that_move_nothing() {
         let allocs = crate::plan::traces::sharded_graph(3000, 2);
         let p = Problem::new(&allocs, 1).unwrap();
-        let mut by_size = p.nonzero();
-        by_size.sort_by_key(|&i| (std::cmp::Reverse(p.sizes[i as usize]), i));
+        let by_size = by_size(&p);
         let mut greedy = Greedy::new(&p);
         assert!(greedy.lifetime_floors.is_none());
         assert!(greedy.floors.is_some());
@@ -1070,8 +1064,7 @@ mod tests {
     fn a_long_pass_stacks_its_small_allocations_above_the_others() {
         let allocs = crate::plan::traces::sharded_graph(10_000, 9);
         let p = Problem::new(&allocs, 1).unwrap();
-        let mut by_size = p.nonzero();
-        by_size.sort_by_key(|&i| (std::cmp::Reverse(p.sizes[i as usize]), i));
+        let by_size = by_size(&p);
         let mut greedy = Greedy::new(&p);
         let plan = greedy.pass(&p, &by_size, Fit::Lowest);
         assert!(greedy.reads.below_gaps() >= STACK_MERGES * greedy.fitted);
@@ -1159,8 +1152,7 @@ mod tests {
                 first: allocs.iter().map(|a| a.2).collect(),
                 last: allocs.iter().map(|a| a.2 + a.3).collect(),
             };
-            let mut by_size = p.nonzero();
-            by_size.sort_by_key(|&i| (std::cmp::Reverse(p.sizes[i as usize]), i));
+            let by_size = by_size(&p);
             let mut shuffled = p.nonzero();
             shuffled.sort_by_key(|&i| splitmix(seed ^ u64::from(i)));
             for sequence in [&by_size, &shuffled] {
@@ -1187,8 +1179,7 @@ mod tests {
         ];
         for allocs in inputs {
             let p = Problem::new(&allocs, 1).unwrap();
-            let mut by_size = p.nonzero();
-            by_size.sort_by_key(|&i| (std::cmp::Reverse(p.sizes[i as usize]), i));
+            let by_size = by_size(&p);
             for fit in [Fit::Lowest, Fit::Smallest] {
                 let plan = Greedy::new(&p).pass(&p, &by_size, fit);
                 let arena = plan.arena_size;

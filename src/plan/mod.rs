@@ -86,7 +86,10 @@ pub enum Algorithm {
     /// greedy order, tiny allocations (at most a 2^-20th of the lower bound: thousands of
     /// 4-byte ones in real models) come after all the others, each in the lowest gap that
     /// holds it, or on top of its neighbours when more than 64 busy ranges lie between its
-    /// lowest free byte and that gap.
+    /// lowest free byte and that gap. A first-fit placement whose larger allocations found
+    /// their gaps above 64 busy ranges each on average instead puts every allocation of at most
+    /// a 2^-19th of the bound in a region of its own above all the others, in time order,
+    /// unless such allocations have more than a 256th of the bound live at once.
     GreedyBySize,
     /// Time steps with the most live bytes first; within one, largest allocation first
     /// (Pisarchyk & Lee 2020, "greedy by breadth"), placed as in `GreedyBySize`.
