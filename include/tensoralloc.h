@@ -470,8 +470,9 @@ const char *tensoralloc_last_error(void);
  * streams at once: a new stream beyond them takes over the share of a stream that holds no
  * memory (none allocated, no free waiting for other streams' work, and under expandable
  * segments no free page still mapped: `tensoralloc_empty_cache` returns those), and gets NULL
- * with a last error only when every one of them holds some. The stream handle
- * `0x8000000000000000` names no stream and gets NULL with a last error.
+ * with a last error only when every one of them holds some. A stream handle with its top bit
+ * set (`0x8000000000000000` and above: a kernel-space address, which no CUDA stream has) names
+ * no stream and gets NULL with a last error.
  */
 void *tensoralloc_malloc(size_t size, int device, CUstream_st *stream);
 
@@ -493,7 +494,8 @@ void tensoralloc_free(void *ptr, size_t size, int device, CUstream_st *stream);
  * freed, it is not reused until the work queued on `stream` up to that free has completed.
  * Recording the allocation's own stream does nothing.
  *
- * On an unknown pointer nothing changes and the last error says why.
+ * On an unknown pointer, or a stream handle with its top bit set (see `tensoralloc_malloc`),
+ * nothing changes and the last error says why.
  */
 void tensoralloc_record_stream(void *ptr, CUstream_st *stream);
 
@@ -507,9 +509,10 @@ void tensoralloc_empty_cache(void);
 /**
  * Initializes tensoralloc for `device_count` devices (PyTorch's pluggable-allocator init
  * hook). Optional: the first allocation initializes too. Selects the driver
- * (`TENSORALLOC_DRIVER`) and reads the configuration (`TENSORALLOC_CONF`). On failure (no
- * driver, bad configuration, more devices than the driver has, a negative count) the last
- * error says why and later calls fail with the same reason.
+ * (`TENSORALLOC_DRIVER`) and reads the configuration (`TENSORALLOC_CONF`). When there is no
+ * usable driver or the configuration is bad, the last error says why and later calls fail
+ * with the same reason. A count the driver cannot serve (negative, or more devices than it
+ * has) only sets the last error: later calls on existing devices still work.
  */
 void tensoralloc_init(int device_count);
 
@@ -821,9 +824,9 @@ tensoralloc_status tensoralloc_profiling_save_json(struct tensoralloc_profiling 
 /**
  * Replaces the current plan with one read from `json` (a NUL-terminated string from
  * `tensoralloc_profiling_save_json`, possibly of another process). The plan is checked first:
- * a plan whose allocations would overlap is refused. Returns `TENSORALLOC_OK`, or
- * `TENSORALLOC_ERR_INVALID_ARGUMENT` with a last error for a NULL handle or text, text that is
- * not a valid plan, or a phase under way.
+ * a plan whose allocations would overlap is refused, and so is one aligned to less than the
+ * handle's alignment. Returns `TENSORALLOC_OK`, or `TENSORALLOC_ERR_INVALID_ARGUMENT` with a
+ * last error for a NULL handle or text, text that is not a valid plan, or a phase under way.
  */
 tensoralloc_status tensoralloc_profiling_load_json(struct tensoralloc_profiling *h,
                                                    const char *json);
@@ -855,7 +858,8 @@ void tensoralloc_storage_plan_free(struct tensoralloc_storage_plan *h);
  * Starts an iteration: allocates the intermediate buffer (once values have reported sizes)
  * and the output buffer. Returns `TENSORALLOC_OK`; `TENSORALLOC_ERR_INVALID_ARGUMENT` with a
  * last error for a NULL handle, an iteration already running, or outputs of the previous
- * iteration not yet released; `TENSORALLOC_ERR_OUT_OF_MEMORY` when a buffer cannot be had.
+ * iteration not yet released; `TENSORALLOC_ERR_OUT_OF_MEMORY` when a buffer cannot be had
+ * (also when the sizes reported add up past 2^64 bytes).
  */
 tensoralloc_status tensoralloc_storage_plan_allocate(struct tensoralloc_storage_plan *h);
 
@@ -865,7 +869,8 @@ tensoralloc_status tensoralloc_storage_plan_allocate(struct tensoralloc_storage_
  * (the first iteration, or a value larger than before), in which case the client allocates
  * it itself and the next iteration makes room. Returns `TENSORALLOC_OK`, or
  * `TENSORALLOC_ERR_INVALID_ARGUMENT` with a last error for a NULL handle or `ptr`, an unknown
- * value, or no iteration running.
+ * value, an absurd `nbytes` (over 1 PiB, e.g. a negative number cast to `size_t`), or no
+ * iteration running; `*ptr` is then left unchanged.
  */
 tensoralloc_status tensoralloc_storage_plan_place(struct tensoralloc_storage_plan *h,
                                                   size_t value,

@@ -112,9 +112,11 @@ impl Config {
                 }
                 "large_segment_size_mb" => {
                     let bytes = parse_mib(key, value)?;
-                    if bytes <= 10 << 20 {
+                    if bytes <= 10 << 20 || bytes > crate::device::size::MAX_REQUEST {
                         return Err(Error::Config(format!(
-                            "large_segment_size_mb must be more than 10, got {value}"
+                            "large_segment_size_mb must be more than 10 and at most {} (1 PiB), \
+                             got {value}",
+                            crate::device::size::MAX_REQUEST >> 20
                         )));
                     }
                     c.large_segment_size = bytes;
@@ -253,10 +255,18 @@ fn split_top_level(text: &str) -> Vec<&str> {
 /// Values are 0, 1 or powers of two.
 fn parse_divisions(value: &str) -> Result<[usize; ROUNDUP_INTERVALS]> {
     const KEY: &str = "roundup_power2_divisions";
+    // Steps are at least 512 bytes, so more divisions than 512-byte blocks in the largest
+    // request change nothing (and their product with the block size could overflow).
+    const MOST: usize = crate::device::size::MAX_REQUEST / crate::device::size::MIN_BLOCK_SIZE;
     let check = |n: usize| -> Result<usize> {
         if n > 1 && !n.is_power_of_two() {
             return Err(Error::Config(format!(
                 "{KEY}: {n} divisions: use 0, 1 or a power of two"
+            )));
+        }
+        if n > MOST {
+            return Err(Error::Config(format!(
+                "{KEY}: {n} divisions: at most {MOST} (finer steps than 512 bytes round nothing)"
             )));
         }
         Ok(n)
@@ -342,7 +352,8 @@ pub fn parse_size(text: &str) -> Result<u64> {
         "t" | "tb" | "tib" => 40,
         _ => {
             return Err(Error::Config(format!(
-                "`{text}` has an unknown unit (use B, KiB, MiB, GiB or TiB)"
+                "`{text}` has an unknown unit (use a whole number with B, KiB, MiB, GiB or TiB; \
+                 KB, MB, GB and TB are read as binary too)"
             )))
         }
     };
@@ -386,6 +397,29 @@ mod tests {
             Config::parse("policy:pytorch").unwrap().policy,
             Policy::PyTorch
         );
+    }
+
+    #[test]
+    fn divisions_and_segment_sizes_past_what_any_request_can_use_are_refused() {
+        // 2^41 divisions of a 1 PiB request are 512-byte steps: the most that can matter.
+        let most = 1usize << 41;
+        let c = Config::parse(&format!("roundup_power2_divisions:{most}")).unwrap();
+        assert_eq!(c.divisions_for(1 << 40), most);
+        for text in [
+            format!("roundup_power2_divisions:{}", most * 2),
+            format!("roundup_power2_divisions:[>:{}]", 1usize << 55),
+        ] {
+            let e = Config::parse(&text).unwrap_err().to_string();
+            assert!(e.contains("at most"), "{text}: {e}");
+        }
+        assert!(
+            Config::parse("large_segment_size_mb:1073741824").is_ok(),
+            "1 PiB"
+        );
+        for mb in ["1073741825", "17592186044415"] {
+            let e = Config::parse(&format!("large_segment_size_mb:{mb}")).unwrap_err();
+            assert!(e.to_string().contains("at most"), "{mb}: {e}");
+        }
     }
 
     #[test]

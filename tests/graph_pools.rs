@@ -420,3 +420,38 @@ fn a_pool_that_never_allocated_is_forgotten_when_released() {
     a.release_pool(OTHER_POOL).unwrap();
     assert_eq!(a.pool_count(), 0);
 }
+
+#[test]
+fn stream_handles_with_the_top_bit_set_are_refused_in_and_out_of_pools() {
+    // Private shards' table keys count down from the top of the address space: a stream
+    // handle there would find a private shard (or give its key to one) and never be served.
+    let (_sim, a) = alloc(256 * MIB);
+    let s = unique_stream();
+    let odd = [usize::MAX, usize::MAX - 1, 1 << 63];
+    for &h in &odd {
+        let e = a.malloc(MIB, h).unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument(_)), "{h:#x}: {e}");
+        assert!(e.to_string().contains("not a stream handle"), "{e}");
+    }
+    a.begin_allocate_to_pool(POOL, None).unwrap();
+    let inside = a.malloc(MIB, s).unwrap();
+    for &h in &odd {
+        let e = a.malloc(MIB, h).unwrap_err();
+        assert!(
+            matches!(e, Error::InvalidArgument(_)),
+            "{h:#x} in a pool: {e}"
+        );
+        let e = a.record_stream(inside, h).unwrap_err();
+        assert!(
+            matches!(e, Error::InvalidArgument(_)),
+            "record_stream {h:#x}: {e}"
+        );
+    }
+    a.end_allocate_to_pool(POOL).unwrap();
+    // A bad hint is ignored: the pointer alone decides what is freed.
+    a.free(inside, Some(usize::MAX)).unwrap();
+    a.release_pool(POOL).unwrap();
+    let p = a.malloc(MIB, s).unwrap();
+    a.free(p, Some(s)).unwrap();
+    assert_eq!(a.stats().allocated_bytes[0].current, 0);
+}

@@ -317,3 +317,23 @@ proptest! {
         prop_assert_eq!(p.stats().mismatches, 0);
     }
 }
+
+#[test]
+fn a_loaded_plan_aligned_to_less_than_the_allocator_is_refused() {
+    // The allocator promises its alignment; a plan made for a smaller one may place
+    // allocations at offsets that break the promise.
+    let plan = planned().plan().unwrap().clone();
+    assert_eq!(plan.alignment, 64);
+    let text = plan.to_json();
+    let mut strict = Profiler::new(Box::new(HostMemory), 256).unwrap();
+    let err = strict
+        .set_plan(ProfilePlan::from_json(&text).unwrap())
+        .unwrap_err();
+    assert!(err.to_string().contains("alignment (64)"), "{err}");
+    assert!(strict.plan().is_none(), "the refused plan was kept");
+    // An allocator of a smaller alignment takes it: 64-byte offsets keep an 8-byte promise.
+    let mut loose = Profiler::new(Box::new(HostMemory), 8).unwrap();
+    loose
+        .set_plan(ProfilePlan::from_json(&text).unwrap())
+        .unwrap();
+}

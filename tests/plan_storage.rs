@@ -147,3 +147,32 @@ fn placing_outside_an_iteration_or_an_unknown_value_is_an_error() {
 fn a_value_that_ends_before_it_starts_is_rejected() {
     assert!(StoragePlanner::new(&[value(3, 2)], Box::new(HostMemory)).is_err());
 }
+
+#[test]
+fn absurd_sizes_are_refused_and_totals_past_2_64_bytes_fail_the_next_iteration() {
+    // Two values live one after the other share nothing: two groups.
+    let mut p = planner(&[value(0, 1), value(1, 2)]);
+    p.allocate().unwrap();
+    for absurd in [u64::MAX, u64::MAX - 4095, (1 << 50) + 1] {
+        let e = p.place(0, absurd).unwrap_err().to_string();
+        assert!(e.contains("absurd"), "{e}");
+    }
+    assert_eq!(p.place(1, 1 << 50).unwrap(), None, "1 PiB is a size");
+    p.deallocate().unwrap();
+    // 16,385 values live at once, of 1 PiB each: their groups add up past 2^64 bytes. The
+    // iteration is refused; nothing is laid out on a wrapped total.
+    let many = vec![value(0, 0); (1 << 14) + 1];
+    let mut p = planner(&many);
+    p.allocate().unwrap();
+    for v in 0..many.len() {
+        assert_eq!(p.place(v, 1 << 50).unwrap(), None);
+    }
+    p.deallocate().unwrap();
+    assert_eq!(p.stats().managed_bytes, u64::MAX);
+    let e = p.allocate().unwrap_err().to_string();
+    assert!(e.contains("2^64"), "{e}");
+    assert!(
+        p.place(0, 8).is_err(),
+        "no iteration runs after the refusal"
+    );
+}

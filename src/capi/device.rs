@@ -130,8 +130,9 @@ impl From<DeviceStats> for tensoralloc_device_stats {
 /// streams at once: a new stream beyond them takes over the share of a stream that holds no
 /// memory (none allocated, no free waiting for other streams' work, and under expandable
 /// segments no free page still mapped: `tensoralloc_empty_cache` returns those), and gets NULL
-/// with a last error only when every one of them holds some. The stream handle
-/// `0x8000000000000000` names no stream and gets NULL with a last error.
+/// with a last error only when every one of them holds some. A stream handle with its top bit
+/// set (`0x8000000000000000` and above: a kernel-space address, which no CUDA stream has) names
+/// no stream and gets NULL with a last error.
 #[no_mangle]
 pub extern "C" fn tensoralloc_malloc(
     size: usize,
@@ -196,7 +197,8 @@ pub extern "C" fn tensoralloc_free(
 /// freed, it is not reused until the work queued on `stream` up to that free has completed.
 /// Recording the allocation's own stream does nothing.
 ///
-/// On an unknown pointer nothing changes and the last error says why.
+/// On an unknown pointer, or a stream handle with its top bit set (see `tensoralloc_malloc`),
+/// nothing changes and the last error says why.
 #[no_mangle]
 pub extern "C" fn tensoralloc_record_stream(ptr: *mut c_void, stream: *mut CUstream_st) {
     ffi_boundary! {
@@ -230,9 +232,10 @@ pub extern "C" fn tensoralloc_empty_cache() {
 
 /// Initializes tensoralloc for `device_count` devices (PyTorch's pluggable-allocator init
 /// hook). Optional: the first allocation initializes too. Selects the driver
-/// (`TENSORALLOC_DRIVER`) and reads the configuration (`TENSORALLOC_CONF`). On failure (no
-/// driver, bad configuration, more devices than the driver has, a negative count) the last
-/// error says why and later calls fail with the same reason.
+/// (`TENSORALLOC_DRIVER`) and reads the configuration (`TENSORALLOC_CONF`). When there is no
+/// usable driver or the configuration is bad, the last error says why and later calls fail
+/// with the same reason. A count the driver cannot serve (negative, or more devices than it
+/// has) only sets the last error: later calls on existing devices still work.
 #[no_mangle]
 pub extern "C" fn tensoralloc_init(device_count: c_int) {
     ffi_boundary! {

@@ -634,9 +634,9 @@ pub extern "C" fn tensoralloc_profiling_save_json(
 
 /// Replaces the current plan with one read from `json` (a NUL-terminated string from
 /// `tensoralloc_profiling_save_json`, possibly of another process). The plan is checked first:
-/// a plan whose allocations would overlap is refused. Returns `TENSORALLOC_OK`, or
-/// `TENSORALLOC_ERR_INVALID_ARGUMENT` with a last error for a NULL handle or text, text that is
-/// not a valid plan, or a phase under way.
+/// a plan whose allocations would overlap is refused, and so is one aligned to less than the
+/// handle's alignment. Returns `TENSORALLOC_OK`, or `TENSORALLOC_ERR_INVALID_ARGUMENT` with a
+/// last error for a NULL handle or text, text that is not a valid plan, or a phase under way.
 #[no_mangle]
 pub extern "C" fn tensoralloc_profiling_load_json(
     h: *mut tensoralloc_profiling,
@@ -773,7 +773,8 @@ pub extern "C" fn tensoralloc_storage_plan_free(h: *mut tensoralloc_storage_plan
 /// Starts an iteration: allocates the intermediate buffer (once values have reported sizes)
 /// and the output buffer. Returns `TENSORALLOC_OK`; `TENSORALLOC_ERR_INVALID_ARGUMENT` with a
 /// last error for a NULL handle, an iteration already running, or outputs of the previous
-/// iteration not yet released; `TENSORALLOC_ERR_OUT_OF_MEMORY` when a buffer cannot be had.
+/// iteration not yet released; `TENSORALLOC_ERR_OUT_OF_MEMORY` when a buffer cannot be had
+/// (also when the sizes reported add up past 2^64 bytes).
 #[no_mangle]
 pub extern "C" fn tensoralloc_storage_plan_allocate(
     h: *mut tensoralloc_storage_plan,
@@ -786,7 +787,8 @@ pub extern "C" fn tensoralloc_storage_plan_allocate(
 /// (the first iteration, or a value larger than before), in which case the client allocates
 /// it itself and the next iteration makes room. Returns `TENSORALLOC_OK`, or
 /// `TENSORALLOC_ERR_INVALID_ARGUMENT` with a last error for a NULL handle or `ptr`, an unknown
-/// value, or no iteration running.
+/// value, an absurd `nbytes` (over 1 PiB, e.g. a negative number cast to `size_t`), or no
+/// iteration running; `*ptr` is then left unchanged.
 #[no_mangle]
 pub extern "C" fn tensoralloc_storage_plan_place(
     h: *mut tensoralloc_storage_plan,

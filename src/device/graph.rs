@@ -52,7 +52,7 @@ pub type StreamFilter = Arc<dyn Fn(Stream) -> bool + Send + Sync>;
 const DEFERRED: usize = 1 << (usize::BITS - 1);
 
 /// Shard-table keys of private shards count down from here: kernel-space addresses, which no
-/// user-space stream handle can equal.
+/// stream handle can equal (the device refuses handles with the top bit set).
 const PRIVATE_KEY_BASE: usize = usize::MAX;
 
 /// The graph pools of one device.

@@ -60,6 +60,19 @@ pub use stats::Stat as DeviceStat;
 /// every stream holds some, allocating on a new one fails.
 pub const MAX_STREAMS: usize = table::MAX_SHARDS;
 
+/// Refuses a stream handle with its top bit set. Stream handles are user-space addresses or
+/// small integers, so such a value names no stream; the shard table keeps those values for
+/// itself (moved shards, and graph pools' private shards, whose keys count down from the top).
+fn check_stream(stream: Stream) -> Result<()> {
+    if stream >= table::VACATED {
+        return Err(Error::InvalidArgument(format!(
+            "stream {stream:#x} is not a stream handle: its top bit is set (a kernel-space \
+             address, which no CUDA stream has)"
+        )));
+    }
+    Ok(())
+}
+
 /// One stream's share of a device.
 #[repr(align(128))]
 pub(crate) struct Shard {
@@ -446,6 +459,7 @@ impl DeviceAllocator {
         if size == 0 {
             return Ok(0);
         }
+        check_stream(stream)?;
         if size > MAX_REQUEST {
             return Err(Error::InvalidArgument(if size > isize::MAX as usize {
                 format!("size {size} is absurd (a negative number passed as size_t?)")
@@ -711,7 +725,8 @@ impl DeviceAllocator {
             return Ok(true);
         }
         let mut found = None;
-        if let Some(shard) = stream_hint.and_then(|s| self.shards.get(s)) {
+        let hint = stream_hint.filter(|&s| check_stream(s).is_ok());
+        if let Some(shard) = hint.and_then(|s| self.shards.get(s)) {
             let mut inner = shard.inner.lock_memo();
             // The sink settles when this statement ends, under the shard's lock.
             let replayed = inner.free_memo(ptr, self.max_split_size, &mut self.op_sink(shard));
@@ -863,6 +878,7 @@ impl DeviceAllocator {
     /// Marks the allocation at `ptr` as used by `stream`: when it is freed, it is not reused
     /// until the work queued on `stream` so far has completed.
     pub fn record_stream(&self, ptr: usize, stream: Stream) -> Result<()> {
+        check_stream(stream)?;
         let unknown = || {
             Error::UnknownPointer(format!(
                 "record_stream: {ptr:#x} is not a live allocation of tensoralloc on device {}",

@@ -308,6 +308,13 @@ impl Profiler {
             )));
         }
         plan.check()?;
+        if plan.alignment < self.alignment {
+            return Err(Error::InvalidArgument(format!(
+                "the plan's alignment ({}) is less than this allocator's ({}): its offsets would \
+                 give pointers the allocator does not promise",
+                plan.alignment, self.alignment
+            )));
+        }
         if usize::try_from(plan.alignment).is_err() {
             return Err(Error::InvalidArgument(format!(
                 "alignment {} is too large",

@@ -14,6 +14,10 @@ use super::memory::MemorySource;
 use super::{align_up, DEFAULT_ALIGNMENT};
 use crate::error::{Error, Result};
 
+/// The largest size a value may report: 1 PiB, more than any device or host holds, so that a
+/// negative number passed as a size is refused rather than laid out.
+const MAX_VALUE_BYTES: u64 = 1 << 50;
+
 /// A value to manage: the inclusive range of time steps (nodes) that use it, and whether it
 /// is an output the client keeps after the iteration.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -180,8 +184,15 @@ impl StoragePlanner {
                 "the previous iteration's outputs are not released yet".to_string(),
             ));
         }
-        let managed = lay_out(&mut self.groups);
-        let outputs = lay_out(&mut self.outputs);
+        let (Some(managed), Some(outputs)) =
+            (lay_out(&mut self.groups), lay_out(&mut self.outputs))
+        else {
+            self.groups.iter_mut().for_each(|s| s.offset = None);
+            self.outputs.iter_mut().for_each(|s| s.offset = None);
+            return Err(Error::OutOfMemory(
+                "the values' sizes add up to more than 2^64 bytes".to_string(),
+            ));
+        };
         self.buffer = self.take(managed)?;
         match self.take(outputs) {
             Ok(b) => self.output_buffer = b,
@@ -237,7 +248,13 @@ impl StoragePlanner {
             ))
         })?;
         let aligned = align_up(nbytes, DEFAULT_ALIGNMENT)
-            .ok_or_else(|| Error::InvalidArgument(format!("absurd size {nbytes}")))?;
+            .filter(|&a| a <= MAX_VALUE_BYTES)
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "size {nbytes} of value {v} is absurd (more than 1 PiB: a negative number \
+                     passed as a size?)"
+                ))
+            })?;
         self.reported[v] = self.reported[v].max(aligned);
         let (slot, base) = match home {
             Home::Group(g) => (&self.groups[g], self.buffer),
@@ -263,7 +280,7 @@ impl StoragePlanner {
                 self.reported[v] = 0;
             }
         }
-        self.stats.managed_bytes = self.groups.iter().map(|s| s.size).sum();
+        self.stats.managed_bytes = total(&self.groups);
         self.give_back_buffer();
         self.running = false;
         self.outputs_held = !self.outputs.is_empty();
@@ -285,7 +302,7 @@ impl StoragePlanner {
                 self.reported[v] = 0;
             }
         }
-        self.stats.output_buffer_bytes = self.outputs.iter().map(|s| s.size).sum();
+        self.stats.output_buffer_bytes = total(&self.outputs);
         if self.output_buffer != 0 {
             self.memory.deallocate(self.output_buffer)?;
             self.output_buffer = 0;
@@ -301,18 +318,24 @@ impl StoragePlanner {
     }
 }
 
-/// Gives each slot with a nonzero size the next offset; returns the total.
-fn lay_out(slots: &mut [Slot]) -> u64 {
-    let mut offset = 0;
+/// The bytes of `slots`, at most `u64::MAX`.
+fn total(slots: &[Slot]) -> u64 {
+    slots.iter().fold(0, |sum, s| sum.saturating_add(s.size))
+}
+
+/// Gives each slot with a nonzero size the next offset; returns the total, or `None` when it
+/// passes `u64::MAX` (the offsets are then partly written: the caller clears them).
+fn lay_out(slots: &mut [Slot]) -> Option<u64> {
+    let mut offset = 0u64;
     for slot in slots {
         if slot.size > 0 {
             slot.offset = Some(offset);
-            offset += slot.size;
+            offset = offset.checked_add(slot.size)?;
         } else {
             slot.offset = None;
         }
     }
-    offset
+    Some(offset)
 }
 
 impl Drop for StoragePlanner {
