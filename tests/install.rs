@@ -28,6 +28,8 @@ fn prefix() -> &'static Path {
             Command::new(root().join("scripts/install"))
                 .arg("--lib")
                 .arg(lib_dir().join("libtensoralloc.so"))
+                .arg("--bin")
+                .arg(env!("CARGO_BIN_EXE_tensoralloc"))
                 .arg(&prefix),
             "scripts/install",
         );
@@ -123,8 +125,51 @@ fn the_library_is_installed_with_a_versioned_soname_and_links() {
         "lib/cmake/tensoralloc/tensoralloc-config.cmake",
         "lib/cmake/tensoralloc/tensoralloc-config-version.cmake",
         "share/doc/tensoralloc/LICENSE",
+        "bin/tensoralloc",
     ] {
         assert!(prefix().join(file).is_file(), "{file} is not installed");
+    }
+    let version = run(
+        Command::new(prefix().join("bin/tensoralloc")).arg("--version"),
+        "tensoralloc --version",
+    );
+    assert!(version.contains(VERSION), "{version}");
+}
+
+#[test]
+fn relative_paths_are_taken_from_where_the_script_runs_and_bad_usage_installs_nothing() {
+    // After the shared install, which may set up patchelf's environment.
+    prefix();
+    let here = build_dir("relative");
+    let script = root().join("scripts/install");
+    let lib = lib_dir().join("libtensoralloc.so");
+    run(
+        Command::new(&script)
+            .current_dir(&here)
+            .arg("--lib")
+            .arg(&lib)
+            .arg("prefix"),
+        "scripts/install with a relative prefix",
+    );
+    assert!(here.join("prefix/lib/pkgconfig/tensoralloc.pc").is_file());
+    assert!(
+        !here.join("prefix/bin").exists(),
+        "--lib alone installs no command"
+    );
+    for args in [
+        vec!["--lib"],
+        vec!["--lib", "no-such-file.so", "p2"],
+        vec!["--bin", "no-such-file", "p2"],
+        vec!["--debug", "--lib", lib.to_str().unwrap(), "p2"],
+        vec!["--frobnicate", "p2"],
+    ] {
+        let o = Command::new(&script)
+            .current_dir(&here)
+            .args(&args)
+            .output()
+            .unwrap();
+        assert_eq!(o.status.code(), Some(2), "{args:?}");
+        assert!(!here.join("p2").exists(), "{args:?} installed something");
     }
 }
 

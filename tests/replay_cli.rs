@@ -144,3 +144,39 @@ fn a_bad_memory_size_is_a_clear_error() {
     assert_eq!(o.status.code(), Some(1));
     assert!(stderr(&o).contains("--memory"), "{}", stderr(&o));
 }
+
+#[test]
+fn a_warm_trace_whose_starting_segments_exceed_the_memory_does_not_fit_and_is_no_error() {
+    // cs336 starts with 13.21 GiB reserved.
+    let o = replay_configs(
+        "cs336_transformer_fwd_bwd.pickle.gz",
+        &["default", "expandable_segments:True"],
+        &["--memory", "8GiB"],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    for config in ["default ", "expandable_segments:True "] {
+        assert!(
+            out.lines().any(|l| l.starts_with(config)
+                && l.contains("does not fit: the 13.21 GiB reserved when recording started")
+                && l.contains("8.00 GiB")),
+            "{out}"
+        );
+    }
+    assert!(!out.contains("unsupported"), "{out}");
+    let o = replay_configs(
+        "cs336_transformer_fwd_bwd.pickle.gz",
+        &["default"],
+        &["--memory", "8GiB", "--json"],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    assert!(
+        v["does_not_fit"].as_str().unwrap().contains("13.21 GiB"),
+        "{v}"
+    );
+    assert!(
+        v["error"].is_null() && v["peak_reserved_bytes"].is_null(),
+        "{v}"
+    );
+}

@@ -56,9 +56,21 @@ fn setting_is_off() -> bool {
     }
     // SAFETY: see above.
     let value = unsafe { std::ffi::CStr::from_ptr(value) }.to_bytes();
-    [&b"off"[..], b"0", b"false", b"no", b"disable", b"disabled"]
-        .iter()
-        .any(|v| value.eq_ignore_ascii_case(v))
+    switch(value) == Some(false)
+}
+
+/// A setting's value read as a switch: `Some(false)` for `off`, `0`, `false`, `no`, `disable`
+/// and `disabled`, `Some(true)` for `on`, `1`, `true`, `yes`, `enable` and `enabled` (any
+/// case), `None` for anything else. Allocates nothing.
+pub(crate) fn switch(value: &[u8]) -> Option<bool> {
+    let is = |words: &[&[u8]]| words.iter().any(|w| value.eq_ignore_ascii_case(w));
+    if is(&[b"off", b"0", b"false", b"no", b"disable", b"disabled"]) {
+        Some(false)
+    } else if is(&[b"on", b"1", b"true", b"yes", b"enable", b"enabled"]) {
+        Some(true)
+    } else {
+        None
+    }
 }
 
 extern "C" fn in_forked_child() {
@@ -70,4 +82,22 @@ extern "C" fn in_forked_child() {
 fn register_fork_handler() {
     // SAFETY: registers a handler that only stores atomics, which is async-signal-safe.
     unsafe { libc::pthread_atfork(None, None, Some(in_forked_child)) };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::switch;
+
+    #[test]
+    fn switch_words_read_in_any_case_and_anything_else_is_neither() {
+        for w in ["off", "OFF", "0", "false", "No", "disable", "disabled"] {
+            assert_eq!(switch(w.as_bytes()), Some(false), "{w}");
+        }
+        for w in ["on", "1", "TRUE", "yes", "enable", "Enabled"] {
+            assert_eq!(switch(w.as_bytes()), Some(true), "{w}");
+        }
+        for w in ["maybe", "", "2", "offf"] {
+            assert_eq!(switch(w.as_bytes()), None, "{w}");
+        }
+    }
 }

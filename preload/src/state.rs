@@ -233,7 +233,23 @@ impl State {
         let driver = Arc::new(CudaDriver::load()?);
         let count = driver.device_count()?;
         crate::register_fork_handler();
-        if std::env::var("TENSORALLOC_PRELOAD_STATS").is_ok_and(|v| v.trim() == "1") {
+        if let Ok(v) = std::env::var("TENSORALLOC_PRELOAD") {
+            if crate::switch(v.trim().as_bytes()).is_none() {
+                eprintln!(
+                    "tensoralloc preload: TENSORALLOC_PRELOAD={v:?} is neither on nor off; \
+                     serving (use on or off)"
+                );
+            }
+        }
+        let stats = std::env::var("TENSORALLOC_PRELOAD_STATS").unwrap_or_default();
+        let stats_on = crate::switch(stats.trim().as_bytes());
+        if !stats.is_empty() && stats_on.is_none() {
+            eprintln!(
+                "tensoralloc preload: TENSORALLOC_PRELOAD_STATS={stats:?} is neither on nor off; \
+                 no statistics (use 1 or 0)"
+            );
+        }
+        if stats_on == Some(true) {
             // SAFETY: registers a plain function; it runs once at exit.
             unsafe { libc::atexit(print_stats_at_exit) };
         }

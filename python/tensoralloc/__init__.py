@@ -152,7 +152,8 @@ def _check(status, what):
 
 def _device_index(device):
     """An int device index from None (PyTorch's current device once PyTorch has started CUDA in
-    this process, else 0), an int, or a torch.device / "cuda:N" string."""
+    this process, else 0), an int, or a cuda torch.device / "cuda" / "cuda:N" string; other
+    device types raise ValueError, as PyTorch's memory functions do."""
     if device is None:
         torch = sys.modules.get("torch")
         cuda = getattr(torch, "cuda", None)
@@ -164,10 +165,19 @@ def _device_index(device):
     if isinstance(device, int):
         return device
     if isinstance(device, str):
-        _, _, index = device.partition(":")
-        return int(index) if index else 0
+        kind, colon, index = device.partition(":")
+        if kind != "cuda":
+            raise ValueError(f"expected a cuda device, not {device!r}")
+        if not colon:
+            return 0
+        if not index.isdigit():
+            raise ValueError(f"{device!r} is not a device: use 'cuda' or 'cuda:N'")
+        return int(index)
+    kind = getattr(device, "type", None)
+    if kind is not None and kind != "cuda":
+        raise ValueError(f"expected a cuda device, not {device!r}")
     index = getattr(device, "index", None)
-    if index is None and getattr(device, "type", None) is not None:
+    if index is None and kind is not None:
         return 0
     if isinstance(index, int):
         return index

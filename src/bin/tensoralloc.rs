@@ -12,7 +12,7 @@ use clap::{Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 
 use tensoralloc::config::parse_size;
-use tensoralloc::replay::output::{self, Run};
+use tensoralloc::replay::output::{self, Failure, Run};
 use tensoralloc::replay::{self, snapshot, Options, UNLIMITED_MEMORY};
 
 #[derive(Parser)]
@@ -80,14 +80,14 @@ fn main() -> ExitCode {
     let mut runs = Vec::new();
     for config in configs {
         let outcome = replay::parse_config(&config)
-            .map_err(|e| e.message().to_string())
+            .map_err(|e| Failure::Unsupported(e.message().to_string()))
             .and_then(|c| {
                 let bar = progress_bar(trace.events.len() as u64, &config);
                 let r = replay::run_with(&trace, &c, &options, &mut |done| {
                     bar.set_position(done as u64)
                 });
                 bar.finish_and_clear();
-                r.map_err(|e| e.to_string())
+                r.map_err(|e| Failure::of(&e))
             });
         runs.push(Run { config, outcome });
     }
@@ -105,7 +105,11 @@ fn main() -> ExitCode {
             return fail(e.message());
         }
     }
-    if runs.iter().any(|r| r.outcome.is_err()) {
+    // Not fitting is an answer; settings or a trace that cannot be replayed are not.
+    if runs
+        .iter()
+        .any(|r| matches!(r.outcome, Err(Failure::Unsupported(_))))
+    {
         ExitCode::from(2)
     } else {
         ExitCode::SUCCESS

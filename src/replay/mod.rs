@@ -21,6 +21,7 @@ use std::time::Instant;
 use serde::Serialize;
 
 use crate::config::Config;
+use crate::device::size::format_bytes;
 use crate::device::DeviceAllocator;
 use crate::driver::sim::{SimConfig, SimDriver};
 use crate::error::{Error, Result};
@@ -134,6 +135,9 @@ struct Live {
 }
 
 /// Replays `trace`; `progress` is told how many events are done, every few thousand events.
+/// Fails with [`Error::OutOfMemory`] when the segments reserved when recording started do not
+/// fit in the device (the trace cannot start), and with [`Error::InvalidArgument`] when the
+/// settings or the trace cannot be replayed.
 pub fn run_with(
     trace: &Trace,
     config: &Config,
@@ -151,7 +155,7 @@ pub fn run_with(
         backed: false,
     })?;
     let alloc = DeviceAllocator::new(Arc::new(driver), 0, config)?;
-    let mut live = recreate(&alloc, trace)?;
+    let mut live = recreate(&alloc, trace, options.memory)?;
     let device_allocs_before = alloc.stats().num_device_alloc;
     let (_, reserved0) = alloc.current_bytes();
     let mut allocated: u64 = live
@@ -260,14 +264,26 @@ pub fn run_with(
 /// Each segment is first taken whole (so no other free block exists), then given back and
 /// allocated again piece by piece in address order (gaps and live blocks), so the live blocks
 /// land at their recorded offsets; finally the gaps are freed.
-fn recreate(alloc: &DeviceAllocator, trace: &Trace) -> Result<HashMap<u64, Live>> {
+fn recreate(alloc: &DeviceAllocator, trace: &Trace, memory: u64) -> Result<HashMap<u64, Live>> {
     const HALF_SMALL: usize = 1 << 20;
     let mut live = HashMap::new();
-    let setup = |e: Error| {
-        Error::InvalidArgument(format!(
+    // Running out of memory here is an answer (the state the recording started in does not
+    // fit); anything else is a trace the allocator cannot take.
+    let setup = |e: Error| match e {
+        Error::OutOfMemory(_) => Error::OutOfMemory(format!(
+            "the {} reserved when recording started {} the device's {}",
+            format_bytes(trace.initial_reserved()),
+            if trace.initial_reserved() > memory {
+                "need more than"
+            } else {
+                "could not be laid out again in"
+            },
+            format_bytes(memory)
+        )),
+        e => Error::InvalidArgument(format!(
             "recreating the {} bytes reserved before the first event: {e}",
             trace.initial_reserved()
-        ))
+        )),
     };
     let mut holders: Vec<Vec<usize>> = Vec::with_capacity(trace.initial.len());
     for s in &trace.initial {

@@ -16,7 +16,27 @@ use crate::error::{Error, Result};
 pub struct Run {
     /// The configuration as given (`default`, `expandable_segments:True`, ...).
     pub config: String,
-    pub outcome: std::result::Result<Report, String>,
+    pub outcome: std::result::Result<Report, Failure>,
+}
+
+/// Why a configuration has no replay.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Failure {
+    /// The segments reserved when recording started do not fit in the device: an answer, not
+    /// a fault.
+    DoesNotFit(String),
+    /// The settings, or the trace, cannot be replayed.
+    Unsupported(String),
+}
+
+impl Failure {
+    /// The failure of a replay that returned `e`.
+    pub fn of(e: &Error) -> Failure {
+        match e {
+            Error::OutOfMemory(m) => Failure::DoesNotFit(m.clone()),
+            e => Failure::Unsupported(e.to_string()),
+        }
+    }
 }
 
 /// A line of `--json` output.
@@ -26,6 +46,8 @@ struct JsonRun<'a> {
     #[serde(flatten)]
     report: Option<&'a Report>,
     #[serde(skip_serializing_if = "Option::is_none")]
+    does_not_fit: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     error: Option<&'a str>,
 }
 
@@ -33,10 +55,16 @@ struct JsonRun<'a> {
 pub fn json_lines(runs: &[Run]) -> String {
     let mut out = String::new();
     for r in runs {
+        let (does_not_fit, error) = match &r.outcome {
+            Ok(_) => (None, None),
+            Err(Failure::DoesNotFit(m)) => (Some(m.as_str()), None),
+            Err(Failure::Unsupported(m)) => (None, Some(m.as_str())),
+        };
         let line = JsonRun {
             config: &r.config,
             report: r.outcome.as_ref().ok(),
-            error: r.outcome.as_ref().err().map(String::as_str),
+            does_not_fit,
+            error,
         };
         out.push_str(&serde_json::to_string(&line).unwrap_or_default());
         out.push('\n');
@@ -106,8 +134,11 @@ pub fn table(name: &str, trace: &Trace, memory: Option<u64>, runs: &[Run]) -> St
                     rep.ns_per_event
                 );
             }
-            Err(e) => {
-                let _ = writeln!(out, "{:width$}  unsupported: {e}", r.config);
+            Err(Failure::DoesNotFit(m)) => {
+                let _ = writeln!(out, "{:width$}  does not fit: {m}", r.config);
+            }
+            Err(Failure::Unsupported(m)) => {
+                let _ = writeln!(out, "{:width$}  unsupported: {m}", r.config);
             }
         }
     }

@@ -156,6 +156,13 @@ def check_bad_devices():
     assert e.status != 0
     expect_raises(tensoralloc.Error, "device -1", tensoralloc.reset_peak_memory_stats, -1)
     expect_raises(TypeError, "bool", tensoralloc.memory_allocated, True)
+    # Device strings as PyTorch takes them: another device type or a malformed index is refused.
+    assert tensoralloc.memory_allocated("cuda:0") == tensoralloc.memory_allocated(0)
+    assert tensoralloc.memory_allocated("cuda") == tensoralloc.memory_allocated(0)
+    expect_raises(ValueError, "expected a cuda device", tensoralloc.memory_stats, "cpu")
+    expect_raises(ValueError, "'cuda:x' is not a device", tensoralloc.memory_stats, "cuda:x")
+    cpu = types.SimpleNamespace(type="cpu", index=None)
+    expect_raises(ValueError, "expected a cuda device", tensoralloc.memory_stats, cpu)
 
 
 def check_memory_fraction(lib):
