@@ -45,8 +45,9 @@ use crate::front::{self, Front};
 use crate::live::{Live, LiveTable, PtrMap, HOST};
 use crate::real::{self, CuContext, Status};
 
-/// The pool key of blocks from synchronous allocations (never a stream handle).
-pub const SYNC_POOL: Stream = usize::MAX - 0xfff;
+/// The pool key of blocks from synchronous allocations: never a stream handle (a
+/// non-canonical address), and below the top-bit values the device refuses as streams.
+pub const SYNC_POOL: Stream = 1 << 62;
 /// `CU_STREAM_LEGACY` / `cudaStreamLegacy`.
 pub const STREAM_LEGACY: Stream = 1;
 /// `CU_STREAM_PER_THREAD` / `cudaStreamPerThread`.
