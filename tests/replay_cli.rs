@@ -180,3 +180,15 @@ fn a_warm_trace_whose_starting_segments_exceed_the_memory_does_not_fit_and_is_no
         "{v}"
     );
 }
+
+#[test]
+fn an_empty_config_is_a_usage_error() {
+    let o = replay_configs("h100_multistream.pickle.gz", &["default", " "], &[]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        stderr(&o).contains("--config needs settings"),
+        "{}",
+        stderr(&o)
+    );
+    assert!(stdout(&o).is_empty());
+}

@@ -69,6 +69,9 @@ fn main() -> ExitCode {
     if configs.is_empty() {
         configs.push("default".into());
     }
+    if configs.iter().any(|c| c.trim().is_empty()) {
+        return fail("--config needs settings (`default` for none)");
+    }
     let trace = match snapshot::load(&path, device) {
         Ok(t) => t,
         Err(e) => return fail(e.message()),

@@ -77,7 +77,7 @@ pub struct Report {
     pub events: usize,
     /// Bytes reserved before the first event (segments recreated from the snapshot).
     pub initial_reserved_bytes: u64,
-    /// Wall time of the replay loop per event.
+    /// Wall time of the replay loop per event (0 for an empty trace).
     pub ns_per_event: f64,
     /// Allocated and reserved bytes after every event, when asked for.
     #[serde(skip)]
@@ -253,7 +253,12 @@ pub fn run_with(
     }
     let elapsed = start.elapsed();
     progress(trace.events.len());
-    report.ns_per_event = elapsed.as_nanos() as f64 / trace.events.len().max(1) as f64;
+    // An empty trace has no time per event.
+    report.ns_per_event = if trace.events.is_empty() {
+        0.0
+    } else {
+        elapsed.as_nanos() as f64 / trace.events.len() as f64
+    };
     report.num_device_alloc = (alloc.stats().num_device_alloc - device_allocs_before).max(0) as u64;
     Ok(report)
 }
