@@ -457,30 +457,34 @@ fn stream_handles_with_the_top_bit_set_are_refused_in_and_out_of_pools() {
 }
 
 #[test]
-fn an_oversize_release_on_out_of_memory_waits_for_the_pool_to_end() {
-    // With max_split_size set, running out of memory first returns cached oversize segments
-    // (PyTorch's release_available_cached_blocks): never while a pool is active, where the
-    // capture it stands for forbids freeing device memory.
+fn an_oversize_release_on_out_of_memory_skips_a_capturing_stream() {
+    // With max_split_size set, running out of memory first returns a cached oversize segment
+    // that makes room (PyTorch's release_available_cached_blocks, which it makes while a pool
+    // is active too): never on a stream the driver says is capturing, where freeing device
+    // memory would invalidate the capture.
     let sim = SimDriver::shared(1, 1 << 30).unwrap();
     let config = Config::parse("max_split_size_mb:64").unwrap();
     let a = DeviceAllocator::new(sim.clone(), 0, &config).unwrap();
-    let (s, captured) = (unique_stream(), unique_stream());
-    a.begin_allocate_to_pool(POOL, None).unwrap();
-    sim::capture::begin_capture(captured).unwrap();
-    let p = a.malloc(256 * MIB, s).unwrap();
-    a.free(p, Some(s)).unwrap();
-    let e = a.malloc(800 * MIB, s).unwrap_err();
+    let (s, outside) = (unique_stream(), unique_stream());
+    a.begin_allocate_to_pool(POOL, only(s)).unwrap();
+    let cached = a.malloc(512 * MIB, s).unwrap();
+    a.free(cached, Some(s)).unwrap();
+    let held = a.malloc(400 * MIB, outside).unwrap();
+    // 112 MiB free: 300 MiB needs the cached 512 MiB segment back (too large to split).
+    sim::capture::begin_capture(s).unwrap();
+    let e = a.malloc(300 * MIB, s).unwrap_err();
     assert!(matches!(e, Error::OutOfMemory(_)), "{e}");
     assert_eq!(
         a.stats().num_device_free,
         0,
         "a segment went back during the capture"
     );
-    assert_eq!(reserved(&a), 256 << 20);
+    sim::capture::end_capture(s).expect("the capture stayed valid");
+    // The pool still active, no capture: the segment goes back and the request is served.
+    let p = a.malloc(300 * MIB, s).unwrap();
+    assert_eq!(a.stats().num_device_free, 1);
+    a.free(p, Some(s)).unwrap();
+    a.free(held, Some(outside)).unwrap();
     a.end_allocate_to_pool(POOL).unwrap();
-    sim::capture::end_capture(captured).unwrap();
-    // Outside the pool the same request is served: the pool's segment goes back once released.
     a.release_pool(POOL).unwrap();
-    let q = a.malloc(800 * MIB, s).unwrap();
-    a.free(q, Some(s)).unwrap();
 }

@@ -581,9 +581,10 @@ impl DeviceAllocator {
     /// [`DeviceAllocator::new_memory`], collecting garbage first on the first attempt; when
     /// the driver is out of memory and `max_split_size` is set, first returns this stream's
     /// cached oversize segments that make room (PyTorch's `release_available_cached_blocks`)
-    /// and tries once more, unless a capture forbids returning memory (a pool is active, or the
-    /// driver says `stream` is capturing). The caller's retry after returning every cached
-    /// segment is `retried`.
+    /// and tries once more, unless the driver says `stream` is capturing, where freeing device
+    /// memory would invalidate the capture. (PyTorch makes this release while a private pool
+    /// is active, and so does this: only a capture the driver reports skips it.) The caller's
+    /// retry after returning every cached segment is `retried`.
     fn new_memory_or_release(
         &self,
         shard: &Shard,
@@ -596,7 +597,7 @@ impl DeviceAllocator {
         let got = self.new_memory(shard, inner, pool, rounded, stream, !retried);
         if retried
             || !matches!(got, Err(Error::OutOfMemory(_)))
-            || self.capture_blocks(stream)
+            || self.driver.stream_capturing(stream).unwrap_or(false)
             || !self.release_oversize(shard, inner, pool, rounded)
         {
             return got;
