@@ -243,12 +243,15 @@ fn record_stream_defers_reuse_until_the_other_stream_completes() {
     let s = stats(&a);
     assert_eq!(s.allocated_bytes[AGG].current, 0, "freed by the client");
     assert_eq!(s.active[AGG].current, 1, "still in use by the side stream");
+    // As in PyTorch, the bytes asked for count until the block is no longer active.
+    assert_eq!(s.requested_bytes[AGG].current, 4 * KIB as i64);
     let q = a.malloc(4 * KIB, s1).unwrap();
     assert_ne!(q, p, "not reused while the side stream's work is pending");
     sim::release_stream(side);
     a.free(q, Some(s1)).unwrap();
     let r = a.malloc(4 * KIB, s1).unwrap();
     assert_eq!(r, p, "reused once the side stream's event completed");
+    assert_eq!(stats(&a).requested_bytes[AGG].current, 4 * KIB as i64, "r's alone");
     assert_eq!(
         sim.counters
             .events_created

@@ -155,8 +155,8 @@ impl Memo {
     fn free_stats(&self, requested: usize, max_split_size: usize, stats: &mut impl StatSink) {
         let pool = self.pool;
         let given = self.given();
-        unallocation_stats(pool, given, requested, max_split_size, stats);
-        deactivation_stats(pool, given, stats);
+        unallocation_stats(pool, given, max_split_size, stats);
+        deactivation_stats(pool, given, requested, stats);
         let rest = (self.size - self.rounded) as i64;
         let counted = self.exp == NONE;
         match (self.split && counted, self.was_split && counted) {
@@ -182,24 +182,25 @@ impl Memo {
 fn unallocation_stats(
     pool: PoolKind,
     size: usize,
-    requested: usize,
     max_split_size: usize,
     stats: &mut impl StatSink,
 ) {
     stats.both(StatKind::Allocation, pool, -1);
     stats.both(StatKind::AllocatedBytes, pool, -(size as i64));
-    stats.both(StatKind::RequestedBytes, pool, -(requested as i64));
     if size >= max_split_size {
         stats.change(OVERSIZE_ALLOCATIONS, -1);
     }
 }
 
-/// The statistic changes of a freed block of `size` bytes leaving the active ones
-/// ([`ShardInner::release`], and a replayed free through [`Memo`]).
+/// The statistic changes of a freed block of `size` bytes, `requested` of them asked for,
+/// leaving the active ones ([`ShardInner::release`], and a replayed free through [`Memo`]).
+/// Requested bytes count until then, as in PyTorch: a block freed while other streams use it
+/// stays requested until their work is done.
 #[inline(always)]
-fn deactivation_stats(pool: PoolKind, size: usize, stats: &mut impl StatSink) {
+fn deactivation_stats(pool: PoolKind, size: usize, requested: usize, stats: &mut impl StatSink) {
     stats.both(StatKind::Active, pool, -1);
     stats.both(StatKind::ActiveBytes, pool, -(size as i64));
+    stats.both(StatKind::RequestedBytes, pool, -(requested as i64));
 }
 
 /// A shard's lock ([`crate::lock`]). Locking carries out a held memo allocation first
@@ -617,25 +618,25 @@ impl ShardInner {
         let id = self.live.remove(&addr)?;
         let b = &mut self.blocks[id as usize];
         b.state = State::AwaitingEvents;
-        let (pool, size, requested) = (b.pool, b.size, b.requested);
-        unallocation_stats(pool, size, requested, max_split_size, stats);
+        let (pool, size) = (b.pool, b.size);
+        unallocation_stats(pool, size, max_split_size, stats);
         Some(id)
     }
 
     /// Returns a freed block to its pool, merging it with free neighbours.
     #[inline(always)]
     pub fn release(&mut self, id: u32, stats: &mut impl StatSink) {
-        let (pool, size) = {
+        let (pool, size, requested) = {
             let b = &mut self.blocks[id as usize];
             b.state = State::Free;
             b.events_left = 0;
             b.stream_uses.clear();
-            (b.pool, b.size)
+            (b.pool, b.size, b.requested)
         };
         self.exp.frees += 1;
         let freed_at = self.exp.frees;
         self.blocks[id as usize].freed_at = freed_at;
-        deactivation_stats(pool, size, stats);
+        deactivation_stats(pool, size, requested, stats);
 
         let (mut merged, mut merged_bytes) = (0i64, 0i64);
         let prev = self.blocks[id as usize].prev;
