@@ -277,3 +277,73 @@ fn a_gzip_snapshot_file_replays_like_the_plain_one() {
     assert_eq!(p, g);
     assert!(!p.events.is_empty());
 }
+
+#[test]
+fn an_out_of_memory_event_carries_the_free_device_bytes_as_pytorchs_does() {
+    let a = allocator();
+    let s = unique_stream();
+    a.history().set(true, 100).unwrap();
+    let p = a.malloc(3 << 30, s).unwrap();
+    assert!(a.malloc(2 << 30, s).is_err());
+    let oom = *a.history().entries().last().unwrap();
+    assert_eq!(oom.action, Action::Oom);
+    assert_eq!(
+        (oom.addr, oom.size),
+        (1 << 30, 2 << 30),
+        "1 GiB of 4 was free"
+    );
+    // In the snapshot the free bytes are `device_free`, and there is no `addr` (PyTorch's
+    // memory viewer reads `device_free` of every `oom` event).
+    let value: serde_pickle::Value =
+        serde_pickle::from_slice(&snapshot_bytes(&a), Default::default()).unwrap();
+    let text = format!("{value:?}");
+    let at = text.find("\"oom\"").expect("an oom event");
+    let event = &text[at..text[at..].find('}').map_or(text.len(), |e| at + e)];
+    assert!(
+        event.contains("device_free") && event.contains("1073741824"),
+        "{event}"
+    );
+    assert!(!event.contains("\"addr\""), "{event}");
+    a.free(p, Some(s)).unwrap();
+}
+
+#[test]
+fn a_dump_replaces_a_file_whole_writes_through_links_and_leaves_no_temporary_behind() {
+    let a = allocator();
+    let s = unique_stream();
+    let p = a.malloc(3 * MIB, s).unwrap();
+    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("dump-files");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let dump = |path: &std::path::Path| {
+        history::dump_snapshot(path, std::iter::once(&a), &Config::default())
+    };
+    let file = dir.join("snap.pickle");
+    std::fs::write(&file, b"an older file").unwrap();
+    dump(&file).unwrap();
+    let trace = snapshot::parse(&std::fs::read(&file).unwrap(), 0).unwrap();
+    assert_eq!(trace.initial.len(), 1);
+    // Through a link: the link stays, its file gets the snapshot.
+    let link = dir.join("link.pickle");
+    std::os::unix::fs::symlink(&file, &link).unwrap();
+    std::fs::write(&file, b"older again").unwrap();
+    dump(&link).unwrap();
+    assert!(std::fs::symlink_metadata(&link).unwrap().is_symlink());
+    assert!(snapshot::parse(&std::fs::read(&file).unwrap(), 0).is_ok());
+    // A directory cannot be replaced: an error, and nothing is left beside it.
+    let sub = dir.join("sub");
+    std::fs::create_dir(&sub).unwrap();
+    std::fs::write(sub.join("x"), b"x").unwrap();
+    let e = dump(&sub).unwrap_err();
+    assert!(e.to_string().contains("cannot write snapshot"), "{e}");
+    // A device is written in place, not replaced.
+    dump(std::path::Path::new("/dev/null")).unwrap();
+    assert!(!std::fs::metadata("/dev/null").unwrap().is_file());
+    let mut names: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    names.sort();
+    assert_eq!(names, ["link.pickle", "snap.pickle", "sub"]);
+    a.free(p, Some(s)).unwrap();
+}

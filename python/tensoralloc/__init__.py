@@ -300,10 +300,13 @@ def get_per_process_memory_fraction(device=None):
 def dump_snapshot(path):
     """Writes tensoralloc's memory snapshot to `path` (tensoralloc_dump_snapshot);
     NotImplementedError when the bundled library has no snapshots."""
+    encoded = os.fsencode(path)
+    if b"\0" in encoded:
+        raise ValueError(f"embedded null byte in the snapshot path {path!r}")
     fn = _symbol("tensoralloc_dump_snapshot")
     fn.argtypes = [ctypes.c_char_p]
     fn.restype = ctypes.c_int
-    _check(fn(os.fsencode(path)), f"write a snapshot to {path}")
+    _check(fn(encoded), f"write a snapshot to {path}")
 
 
 def _scaled(template, units, step, threshold):

@@ -41,7 +41,9 @@ pub extern "C" fn tensoralloc_record_memory_history(
 }
 
 /// Writes a memory snapshot to the file `path` (a NUL-terminated UTF-8 path; the file is
-/// created or replaced) in the layout of PyTorch's `torch.cuda.memory._dump_snapshot`: the
+/// created or replaced: written beside it and renamed over it once complete, so a failed dump
+/// leaves an earlier file whole; a link is followed, and a device such as `/dev/stdout` is
+/// written in place) in the layout of PyTorch's `torch.cuda.memory._dump_snapshot`: the
 /// segments and blocks of every device now, the recorded events of each device (see
 /// `tensoralloc_record_memory_history`; none if recording was never started) and the allocator
 /// settings. A path ending in `.gz` is gzip-compressed. Stack frames are empty. PyTorch's

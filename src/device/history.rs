@@ -73,6 +73,7 @@ impl Action {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Entry {
     pub action: Action,
+    /// The block's address; for [`Action::Oom`], the bytes the device had free.
     pub addr: u64,
     pub size: u64,
     pub stream: u64,
@@ -263,11 +264,16 @@ fn segment_info(device: usize, stream: usize, blocks: &[&Block]) -> SegmentInfo 
     s
 }
 
-/// A trace event with PyTorch's field names.
+/// A trace event with PyTorch's field names. An `oom` event has `device_free` (the bytes the
+/// device had free) where the others have `addr`, as PyTorch writes it (its memory viewer
+/// reads that key).
 #[derive(Serialize)]
 struct TraceEntry {
     action: &'static str,
-    addr: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    addr: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    device_free: Option<u64>,
     size: u64,
     stream: u64,
     time_us: i64,
@@ -341,7 +347,8 @@ pub fn write_snapshot<'a, W: std::io::Write>(
             .into_iter()
             .map(|e| TraceEntry {
                 action: e.action.name(),
-                addr: e.addr,
+                addr: (e.action != Action::Oom).then_some(e.addr),
+                device_free: (e.action == Action::Oom).then_some(e.addr),
                 size: e.size,
                 stream: e.stream,
                 time_us: e.time_us,
@@ -354,7 +361,9 @@ pub fn write_snapshot<'a, W: std::io::Write>(
 }
 
 /// Writes [`write_snapshot`] into the file `path`, gzip-compressed when the name ends in
-/// `.gz`. The settings text is `TENSORALLOC_CONF` (else `PYTORCH_CUDA_ALLOC_CONF`).
+/// `.gz`. The settings text is `TENSORALLOC_CONF` (else `PYTORCH_CUDA_ALLOC_CONF`). The
+/// snapshot is written to a temporary file beside `path` and renamed over it once complete,
+/// so a failed dump (a full disk, a file size limit) leaves an earlier file at `path` whole.
 pub fn dump_snapshot<'a>(
     path: &std::path::Path,
     devices: impl Iterator<Item = &'a DeviceAllocator>,
@@ -363,21 +372,56 @@ pub fn dump_snapshot<'a>(
     let conf = std::env::var("TENSORALLOC_CONF")
         .or_else(|_| std::env::var("PYTORCH_CUDA_ALLOC_CONF"))
         .unwrap_or_default();
-    let io = |e: std::io::Error| {
+    let fail = |e: &dyn std::fmt::Display| {
         Error::InvalidArgument(format!("cannot write snapshot {}: {e}", path.display()))
     };
-    let file = std::io::BufWriter::new(std::fs::File::create(path).map_err(io)?);
-    if path.extension().is_some_and(|e| e == "gz") {
-        let mut gz = flate2::write::GzEncoder::new(file, flate2::Compression::default());
-        write_snapshot(&mut gz, devices, config, &conf)?;
-        gz.finish()
-            .map_err(io)?
-            .into_inner()
-            .map_err(|e| io(e.into_error()))?;
+    // A device or a pipe (`/dev/stdout`) is written in place; a link, through to its file.
+    let target = match std::fs::canonicalize(path) {
+        Ok(real) if !real.is_file() => {
+            return write_file(path, path, devices, config, &conf).map_err(|e| fail(&e));
+        }
+        Ok(real) => real,
+        Err(_) => path.to_path_buf(),
+    };
+    let path = target.as_path();
+    let name = path
+        .file_name()
+        .ok_or_else(|| fail(&"the path names no file"))?;
+    let mut temporary = std::ffi::OsString::from(".");
+    temporary.push(name);
+    temporary.push(format!(".{}.tmp", std::process::id()));
+    let temporary = path.with_file_name(temporary);
+    let written = write_file(&temporary, path, devices, config, &conf)
+        .and_then(|()| std::fs::rename(&temporary, path).map_err(|e| e.to_string()));
+    written.map_err(|e| {
+        let _ = std::fs::remove_file(&temporary);
+        fail(&e)
+    })
+}
+
+/// [`dump_snapshot`]'s writing into `file`, compressed as the name of `path` says.
+fn write_file<'a>(
+    file: &std::path::Path,
+    path: &std::path::Path,
+    devices: impl Iterator<Item = &'a DeviceAllocator>,
+    config: &Config,
+    conf: &str,
+) -> std::result::Result<(), String> {
+    let out = std::io::BufWriter::new(std::fs::File::create(file).map_err(|e| e.to_string())?);
+    // Encoding our own values fails only when writing does.
+    let message = |e: Error| e.message().to_string();
+    let out = if path.extension().is_some_and(|e| e == "gz") {
+        let mut gz = flate2::write::GzEncoder::new(out, flate2::Compression::default());
+        write_snapshot(&mut gz, devices, config, conf).map_err(message)?;
+        gz.finish().map_err(|e| e.to_string())?
     } else {
-        let mut file = file;
-        write_snapshot(&mut file, devices, config, &conf)?;
-        file.into_inner().map_err(|e| io(e.into_error()))?;
+        let mut out = out;
+        write_snapshot(&mut out, devices, config, conf).map_err(message)?;
+        out
+    };
+    let file = out.into_inner().map_err(|e| e.into_error().to_string())?;
+    if file.metadata().is_ok_and(|m| m.is_file()) {
+        file.sync_all().map_err(|e| e.to_string())?;
     }
     Ok(())
 }

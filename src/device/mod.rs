@@ -554,7 +554,11 @@ impl DeviceAllocator {
                     Err(Error::OutOfMemory(reason)) => {
                         drop(inner);
                         DeviceCounters::bump(&self.counters.num_ooms);
-                        self.note(Action::Oom, 0, size, stream);
+                        if self.history.on() {
+                            // PyTorch's out-of-memory event carries the device's free bytes.
+                            let free = self.driver.mem_info(self.device).map_or(0, |i| i.free);
+                            self.note(Action::Oom, free as usize, size, stream);
+                        }
                         return Err(self.out_of_memory(size, &reason));
                     }
                     Err(e) => return Err(e),

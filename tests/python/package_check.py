@@ -200,6 +200,8 @@ def check_snapshot():
         if hasattr(tensoralloc._library(), "tensoralloc_dump_snapshot"):
             tensoralloc.dump_snapshot(path)
             assert os.path.getsize(path) > 0
+            expect_raises(ValueError, "null byte", tensoralloc.dump_snapshot, path + "\0x")
+            assert os.listdir(tmp) == ["snapshot"], os.listdir(tmp)
         else:
             expect_raises(NotImplementedError, "tensoralloc_dump_snapshot", tensoralloc.dump_snapshot, path)
 
