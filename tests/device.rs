@@ -251,7 +251,11 @@ fn record_stream_defers_reuse_until_the_other_stream_completes() {
     a.free(q, Some(s1)).unwrap();
     let r = a.malloc(4 * KIB, s1).unwrap();
     assert_eq!(r, p, "reused once the side stream's event completed");
-    assert_eq!(stats(&a).requested_bytes[AGG].current, 4 * KIB as i64, "r's alone");
+    assert_eq!(
+        stats(&a).requested_bytes[AGG].current,
+        4 * KIB as i64,
+        "r's alone"
+    );
     assert_eq!(
         sim.counters
             .events_created

@@ -347,3 +347,36 @@ fn a_dump_replaces_a_file_whole_writes_through_links_and_leaves_no_temporary_beh
     assert_eq!(names, ["link.pickle", "snap.pickle", "sub"]);
     a.free(p, Some(s)).unwrap();
 }
+
+#[test]
+fn an_expandable_trace_walks_back_its_mappings_to_the_state_at_its_start() {
+    // Expandable segments show as their mapped ranges; segment_map and segment_unmap events
+    // change them. Recorded from the start, the trace starts from an empty allocator.
+    let sim: Arc<SimDriver> = SimDriver::shared(1, 4 << 30).unwrap();
+    let config = Config::parse("expandable_segments:True").unwrap();
+    let a = DeviceAllocator::new(sim, 0, &config).unwrap();
+    let (s, other) = (unique_stream(), unique_stream());
+    a.history().set(true, 1 << 20).unwrap();
+    workload(&a, s, other, false);
+    let stats = a.stats();
+    let trace = snapshot::parse(&snapshot_bytes(&a), 0).unwrap();
+    assert!(trace.count(Action::SegmentMap) > 0);
+    assert!(trace.initial.is_empty(), "{:?}", trace.initial);
+    assert_eq!(
+        trace.recorded_peak_reserved(),
+        stats.reserved_bytes[0].peak as u64
+    );
+    let report = replay::run(&trace, &config, UNLIMITED_MEMORY).unwrap();
+    assert_same_peaks(&report, &stats);
+    // Recording started after warm-up: the mapped ranges at its start are recreated.
+    a.reset_peak_stats();
+    let at_start = a.stats().reserved_bytes[0].current as u64;
+    a.history().set(true, 1 << 20).unwrap();
+    workload(&a, s, other, false);
+    let trace = snapshot::parse(&snapshot_bytes(&a), 0).unwrap();
+    assert_eq!(trace.initial_reserved(), at_start);
+    assert_eq!(
+        trace.recorded_peak_reserved(),
+        a.stats().reserved_bytes[0].peak as u64
+    );
+}

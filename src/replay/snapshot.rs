@@ -286,10 +286,57 @@ pub fn parse(bytes: &[u8], device: usize) -> Result<Trace> {
     })
 }
 
+/// Segments by address: (size, stream, small pool).
+type Segments = BTreeMap<u64, (u64, u64, bool)>;
+
+/// Takes `[addr, addr + size)` out of the segment that holds it (walking back over the
+/// mapping of that range), leaving the parts on either side. A range no segment holds (an
+/// inconsistent snapshot) changes nothing.
+fn unmap_range(segs: &mut Segments, addr: u64, size: u64) {
+    let Some((&start, &(len, stream, small))) = segs.range(..=addr).next_back() else {
+        return;
+    };
+    let (end, range_end) = (start + len, addr.saturating_add(size));
+    if range_end > end {
+        return;
+    }
+    segs.remove(&start);
+    if addr > start {
+        segs.insert(start, (addr - start, stream, small));
+    }
+    if end > range_end {
+        segs.insert(range_end, (end - range_end, stream, small));
+    }
+}
+
+/// Puts `[addr, addr + size)` back as mapped (walking back over its unmapping), merged with
+/// the segments of the same stream that touch it, as a snapshot shows a contiguous mapped
+/// range. A range alone is in the small pool when its size is not a multiple of the large
+/// pool's 20 MiB pages.
+fn map_range(segs: &mut Segments, addr: u64, size: u64, stream: u64) {
+    let (mut start, mut end) = (addr, addr.saturating_add(size));
+    let mut small = None;
+    if let Some((&s, &(len, st, sm))) = segs.range(..addr).next_back() {
+        if s + len == addr && st == stream {
+            segs.remove(&s);
+            start = s;
+            small = Some(sm);
+        }
+    }
+    if let Some(&(len, st, sm)) = segs.get(&end) {
+        if st == stream {
+            segs.remove(&end);
+            end += len;
+            small = small.or(Some(sm));
+        }
+    }
+    let small = small.unwrap_or(!size.is_multiple_of(20 << 20));
+    segs.insert(start, (end - start, stream, small));
+}
+
 /// The segments and live blocks at the first event (see the module documentation).
 fn initial_state(segments: &[RawSegment], events: &[TraceEvent]) -> (Vec<InitialSegment>, usize) {
-    // addr -> (size, stream, small)
-    let mut segs: BTreeMap<u64, (u64, u64, bool)> = segments
+    let mut segs: Segments = segments
         .iter()
         .map(|s| {
             let small = s.segment_type.as_deref() == Some("small");
@@ -323,6 +370,10 @@ fn initial_state(segments: &[RawSegment], events: &[TraceEvent]) -> (Vec<Initial
                 // Small-pool segments are the only 2 MiB ones.
                 segs.insert(e.addr, (e.size, e.stream, e.size == 2 << 20));
             }
+            // Expandable segments: a snapshot shows each mapped range as a segment, so a map
+            // takes its range out of the segment that holds it, and an unmap puts it back.
+            Action::SegmentMap => unmap_range(&mut segs, e.addr, e.size),
+            Action::SegmentUnmap => map_range(&mut segs, e.addr, e.size, e.stream),
             _ => {}
         }
     }
