@@ -380,3 +380,38 @@ fn an_expandable_trace_walks_back_its_mappings_to_the_state_at_its_start() {
         a.stats().reserved_bytes[0].peak as u64
     );
 }
+
+#[test]
+fn threads_sharing_a_stream_record_its_events_in_the_order_they_happened() {
+    // Cached pairs on one stream from several threads: each free is recorded before its
+    // block can go to another thread's allocation, and times never go back.
+    let a = Arc::new(allocator());
+    let s = unique_stream();
+    a.history().set(true, 1 << 20).unwrap();
+    let threads: Vec<_> = (0..4)
+        .map(|t| {
+            let a = a.clone();
+            std::thread::spawn(move || {
+                for i in 0..20_000usize {
+                    let p = a.malloc(512 + (i + t) % 3 * 512, s).unwrap();
+                    a.free(p, Some(s)).unwrap();
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    let entries = a.history().entries();
+    let allocs = entries.iter().filter(|e| e.action == Action::Alloc).count();
+    assert_eq!(allocs, 4 * 20_000);
+    let mut live = std::collections::HashSet::new();
+    for (i, e) in entries.iter().enumerate() {
+        match e.action {
+            Action::Alloc => assert!(live.insert(e.addr), "event {i}: {e:?} while live"),
+            Action::FreeCompleted => assert!(live.remove(&e.addr), "event {i}: {e:?}"),
+            _ => {}
+        }
+    }
+    assert!(entries.windows(2).all(|w| w[0].time_us <= w[1].time_us));
+}

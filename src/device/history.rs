@@ -128,6 +128,11 @@ impl History {
     /// Appends an event, dropping the oldest when the ring is full.
     #[cold]
     pub fn record(&self, action: Action, addr: usize, size: usize, stream: usize) {
+        let mut ring = self.ring.lock();
+        if !self.on() {
+            return;
+        }
+        // Read under the lock: the ring's order is the order of the times.
         let entry = Entry {
             action,
             addr: addr as u64,
@@ -135,10 +140,6 @@ impl History {
             stream: stream as u64,
             time_us: now_us(),
         };
-        let mut ring = self.ring.lock();
-        if !self.on() {
-            return;
-        }
         if ring.entries.len() >= ring.max {
             ring.entries.pop_front();
         }

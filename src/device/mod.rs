@@ -738,12 +738,13 @@ impl DeviceAllocator {
             // The sink settles when this statement ends, under the shard's lock.
             let replayed = inner.free_memo(ptr, self.max_split_size, &mut self.op_sink(shard));
             if let Some(requested) = replayed {
-                drop(inner);
-                // The memo's allocation, freed as the full path would.
+                // The memo's allocation, freed as the full path would: noted under the lock,
+                // so that the stream's events are recorded in the order they happened.
                 if self.history.on() {
                     self.note(Action::FreeRequested, ptr, requested, shard.stream());
                     self.note(Action::FreeCompleted, ptr, requested, shard.stream());
                 }
+                drop(inner);
                 return Ok(true);
             }
             inner.settle_memo();
