@@ -488,3 +488,24 @@ fn an_oversize_release_on_out_of_memory_skips_a_capturing_stream() {
     a.end_allocate_to_pool(POOL).unwrap();
     a.release_pool(POOL).unwrap();
 }
+
+#[test]
+fn a_snapshot_names_the_pool_of_each_private_segment() {
+    let (_sim, a) = alloc(256 * MIB);
+    let (s, t) = (unique_stream(), unique_stream());
+    let outside = a.malloc(MIB, t).unwrap();
+    a.begin_allocate_to_pool(POOL, only(s)).unwrap();
+    let inside = a.malloc(MIB, s).unwrap();
+    a.end_allocate_to_pool(POOL).unwrap();
+    let pool_of = |p: usize| {
+        a.snapshot_segments()
+            .into_iter()
+            .find(|g| g.blocks.iter().any(|b| b.address == p as u64))
+            .map(|g| g.segment_pool_id)
+    };
+    assert_eq!(pool_of(inside), Some(POOL));
+    assert_eq!(pool_of(outside), Some((0, 0)));
+    a.free(inside, Some(s)).unwrap();
+    a.free(outside, Some(t)).unwrap();
+    a.release_pool(POOL).unwrap();
+}

@@ -142,7 +142,7 @@ impl GraphPools {
     }
 
     /// The pool that owns private shard `index`.
-    fn owner(&self, index: u32) -> Option<PoolId> {
+    pub(super) fn owner(&self, index: u32) -> Option<PoolId> {
         self.state.lock().owner.get(&index).copied()
     }
 

@@ -180,9 +180,17 @@ impl DeviceAllocator {
     pub fn snapshot_segments(&self) -> Vec<SegmentInfo> {
         let mut out = Vec::new();
         for shard in self.shards.iter() {
+            // A private shard's segments belong to its graph pool, as PyTorch reports them.
+            let pool = if shard.private {
+                self.graph.owner(shard.index).unwrap_or((0, 0))
+            } else {
+                (0, 0)
+            };
             let inner = shard.inner.lock();
             for blocks in inner.segments() {
-                out.push(segment_info(self.device, shard.stream(), &blocks));
+                let mut info = segment_info(self.device, shard.stream(), &blocks);
+                info.segment_pool_id = pool;
+                out.push(info);
             }
         }
         out.sort_by_key(|s| s.address);
