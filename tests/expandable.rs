@@ -248,6 +248,7 @@ fn compact_lends_an_idle_free_block_of_another_stream_instead_of_growing() {
         sim.counters.vmm_map.load(Relaxed),
         sim.counters.vmm_map_kept.load(Relaxed),
     );
+    a.history().set(true, 100).unwrap();
     let q = a.malloc(40 * MIB, s2).unwrap();
     assert_eq!(q, p, "s2 uses s1's idle block where it lies");
     assert_eq!(reserved(&a), 40 << 20);
@@ -261,6 +262,18 @@ fn compact_lends_an_idle_free_block_of_another_stream_instead_of_growing() {
     );
     a.free(q, Some(s2)).unwrap();
     assert_eq!(a.stats().allocated_bytes[AGG].current, 0);
+    // The block's events name its stream (s1), the alloc as its free, as PyTorch's do.
+    let events: Vec<(Action, usize)> = a
+        .history()
+        .entries()
+        .iter()
+        .filter(|e| e.addr == q as u64)
+        .map(|e| (e.action, e.stream as usize))
+        .collect();
+    assert_eq!(
+        events[..2],
+        [(Action::Alloc, s1), (Action::FreeRequested, s1)]
+    );
 }
 
 #[test]

@@ -531,7 +531,6 @@ impl DeviceAllocator {
                 may_lend = false;
                 drop(inner);
                 if let Some(addr) = self.lend(shard, pool, rounded, size, stream) {
-                    self.note(Action::Alloc, addr, size, stream);
                     return Ok(addr);
                 }
                 continue;

@@ -238,6 +238,8 @@ impl DeviceAllocator {
             &mut self.op_sink(other),
         );
         inner.block_mut(id).stream_uses.push(stream);
+        // Recorded under the lender's lock, with the block's stream, as its free will be.
+        self.note(Action::Alloc, addr, size, other.stream());
         Some(addr)
     }
 
