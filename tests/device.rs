@@ -952,3 +952,23 @@ fn garbage_collection_frees_the_oldest_segments_first() {
         a.free(p, Some(s)).unwrap();
     }
 }
+
+#[test]
+fn freeing_a_simulated_allocation_keeps_the_bytes_of_its_neighbour() {
+    // A free hands back only the pages wholly inside it: the page it shares with the next
+    // allocation keeps that allocation's bytes.
+    let sim = SimDriver::shared(1, 64 * MIB as u64).unwrap();
+    let first = sim.mem_alloc(0, 6487).unwrap();
+    let second = sim.mem_alloc(0, 4096).unwrap();
+    assert!(
+        second > first && second < first + 8192,
+        "{first:#x} {second:#x}"
+    );
+    // SAFETY: the simulated device is backed by host memory; both ranges are allocated.
+    unsafe { std::ptr::write_bytes(second as *mut u8, 0xab, 4096) };
+    sim.mem_free(0, first).unwrap();
+    // SAFETY: `second` is still allocated.
+    let bytes = unsafe { std::slice::from_raw_parts(second as *const u8, 4096) };
+    assert!(bytes.iter().all(|&b| b == 0xab));
+    sim.mem_free(0, second).unwrap();
+}

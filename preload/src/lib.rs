@@ -56,7 +56,7 @@ fn setting_is_off() -> bool {
     }
     // SAFETY: see above.
     let value = unsafe { std::ffi::CStr::from_ptr(value) }.to_bytes();
-    switch(value) == Some(false)
+    switch(value.trim_ascii()) == Some(false)
 }
 
 /// A setting's value read as a switch: `Some(false)` for `off`, `0`, `false`, `no`, `disable`

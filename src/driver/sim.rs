@@ -351,9 +351,21 @@ impl SimDevice {
         };
         st.used -= size;
         if self.backed {
-            // SAFETY: [ptr, ptr+size) lies inside our own mapping and is no longer handed out;
-            // MADV_DONTNEED only drops its pages.
-            unsafe { libc::madvise(ptr as *mut libc::c_void, size as usize, libc::MADV_DONTNEED) };
+            // Only the pages wholly inside the range: the kernel would drop a partial last page
+            // whole, zeroing the start of a neighbouring live allocation.
+            let page = 4096u64;
+            let (first, end) = (ptr.next_multiple_of(page), (ptr + size) / page * page);
+            if end > first {
+                // SAFETY: [first, end) lies inside [ptr, ptr+size), inside our own mapping, and
+                // is no longer handed out; MADV_DONTNEED only drops its pages.
+                unsafe {
+                    libc::madvise(
+                        first as *mut libc::c_void,
+                        (end - first) as usize,
+                        libc::MADV_DONTNEED,
+                    )
+                };
+            }
         }
         // Insert and coalesce with neighbours.
         let (mut start, mut len) = (ptr, size);
