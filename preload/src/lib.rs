@@ -56,13 +56,14 @@ fn setting_is_off() -> bool {
     }
     // SAFETY: see above.
     let value = unsafe { std::ffi::CStr::from_ptr(value) }.to_bytes();
-    switch(value.trim_ascii()) == Some(false)
+    switch(value) == Some(false)
 }
 
-/// A setting's value read as a switch: `Some(false)` for `off`, `0`, `false`, `no`, `disable`
-/// and `disabled`, `Some(true)` for `on`, `1`, `true`, `yes`, `enable` and `enabled` (any
-/// case), `None` for anything else. Allocates nothing.
+/// A setting's value read as a switch, around spaces: `Some(false)` for `off`, `0`, `false`,
+/// `no`, `disable` and `disabled`, `Some(true)` for `on`, `1`, `true`, `yes`, `enable` and
+/// `enabled` (any case), `None` for anything else. Allocates nothing.
 pub(crate) fn switch(value: &[u8]) -> Option<bool> {
+    let value = value.trim_ascii();
     let is = |words: &[&[u8]]| words.iter().any(|w| value.eq_ignore_ascii_case(w));
     if is(&[b"off", b"0", b"false", b"no", b"disable", b"disabled"]) {
         Some(false)

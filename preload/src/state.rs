@@ -235,7 +235,7 @@ impl State {
         let count = driver.device_count()?;
         crate::register_fork_handler();
         if let Ok(v) = std::env::var("TENSORALLOC_PRELOAD") {
-            if crate::switch(v.trim().as_bytes()).is_none() {
+            if crate::switch(v.as_bytes()).is_none() {
                 eprintln!(
                     "tensoralloc preload: TENSORALLOC_PRELOAD={v:?} is neither on nor off; \
                      serving (use on or off)"
@@ -243,7 +243,7 @@ impl State {
             }
         }
         let stats = std::env::var("TENSORALLOC_PRELOAD_STATS").unwrap_or_default();
-        let stats_on = crate::switch(stats.trim().as_bytes());
+        let stats_on = crate::switch(stats.as_bytes());
         if !stats.is_empty() && stats_on.is_none() {
             eprintln!(
                 "tensoralloc preload: TENSORALLOC_PRELOAD_STATS={stats:?} is neither on nor off; \

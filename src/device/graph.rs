@@ -333,15 +333,17 @@ impl DeviceAllocator {
     /// Whether nothing may touch events or free memory now on behalf of `stream`: a pool is
     /// active, or the driver says `stream` is capturing.
     pub(super) fn capture_blocks(&self, stream: Stream) -> bool {
-        self.graph.capturing() || self.driver.stream_capturing(stream).unwrap_or(false)
+        self.graph.capturing() || self.driver_capturing(stream)
+    }
+
+    /// Whether the driver says `stream` is being captured (a driver that cannot tell says no).
+    pub(super) fn driver_capturing(&self, stream: Stream) -> bool {
+        self.driver.stream_capturing(stream).unwrap_or(false)
     }
 
     /// Whether the events of a free with `uses` must wait for a capture to end.
     pub(super) fn must_defer(&self, uses: &[Stream]) -> bool {
-        self.graph.capturing()
-            || uses
-                .iter()
-                .any(|&s| self.driver.stream_capturing(s).unwrap_or(false))
+        self.graph.capturing() || uses.iter().any(|&s| self.driver_capturing(s))
     }
 
     /// Keeps block `id` of `shard` (freed, its stream uses still on it) until no capture

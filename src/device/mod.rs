@@ -60,11 +60,16 @@ pub use stats::Stat as DeviceStat;
 /// every stream holds some, allocating on a new one fails.
 pub const MAX_STREAMS: usize = table::MAX_SHARDS;
 
-/// Refuses a stream handle with its top bit set. Stream handles are user-space addresses or
-/// small integers, so such a value names no stream; the shard table keeps those values for
+/// Whether `stream` may name a stream: its top bit is clear. Stream handles are user-space
+/// addresses or small integers; the shard table keeps the values with the top bit set for
 /// itself (moved shards, and graph pools' private shards, whose keys count down from the top).
+fn names_a_stream(stream: Stream) -> bool {
+    stream < table::VACATED
+}
+
+/// Refuses a stream handle that cannot name a stream ([`names_a_stream`]).
 fn check_stream(stream: Stream) -> Result<()> {
-    if stream >= table::VACATED {
+    if !names_a_stream(stream) {
         return Err(Error::InvalidArgument(format!(
             "stream {stream:#x} is not a stream handle: its top bit is set (a kernel-space \
              address, which no CUDA stream has)"
@@ -600,7 +605,7 @@ impl DeviceAllocator {
         let got = self.new_memory(shard, inner, pool, rounded, stream, !retried);
         if retried
             || !matches!(got, Err(Error::OutOfMemory(_)))
-            || self.driver.stream_capturing(stream).unwrap_or(false)
+            || self.driver_capturing(stream)
             || !self.release_oversize(shard, inner, pool, rounded)
         {
             return got;
@@ -731,7 +736,7 @@ impl DeviceAllocator {
             return Ok(true);
         }
         let mut found = None;
-        let hint = stream_hint.filter(|&s| check_stream(s).is_ok());
+        let hint = stream_hint.filter(|&s| names_a_stream(s));
         if let Some(shard) = hint.and_then(|s| self.shards.get(s)) {
             let mut inner = shard.inner.lock_memo();
             // The sink settles when this statement ends, under the shard's lock.

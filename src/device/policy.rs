@@ -412,11 +412,7 @@ impl DeviceAllocator {
     /// Whether idle memory of `shard` may be looked for: it has expandable segments, and its
     /// stream is not being captured (no event may be recorded on it then).
     fn tracks_idle(&self, shard: &Shard, inner: &ShardInner) -> bool {
-        !inner.exp.segments.is_empty()
-            && !self
-                .driver
-                .stream_capturing(shard.stream())
-                .unwrap_or(false)
+        !inner.exp.segments.is_empty() && !self.driver_capturing(shard.stream())
     }
 
     /// Advances what is known idle on `shard`'s stream: collects its batch event if it has
